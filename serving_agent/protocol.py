@@ -1,0 +1,204 @@
+"""Wire protocol between the platform and a serving agent.
+
+Control messages are JSON text frames validated by the pydantic models below. Inference
+requests and replies are binary frames: a 4-byte big-endian header length, the JSON header,
+then the raw little-endian tensor bytes in header order. Raw bytes avoid re-encoding numbers as
+JSON on both hops. Nothing here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, Field, TypeAdapter
+
+AGENT_WS_PATH = "/ws/agent/"
+ARTIFACT_PATH = "/api/v1/agent/artifacts/{version_id}"
+
+# Open Inference Protocol v2 datatypes and their numpy equivalents (BYTES is not a tensor here).
+OIP_TO_NUMPY: dict[str, np.dtype] = {
+    "BOOL": np.dtype("bool"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
+
+
+class TensorSpec(BaseModel):
+    """A named tensor in a signature; -1 in ``shape`` is a dynamic dimension."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class VersionSpec(BaseModel):
+    """One model version an agent must serve."""
+
+    version_id: int
+    model: str
+    version: int
+    sha256: str
+    artifact_url: str
+    format: Literal["onnx"] = "onnx"
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 0.0
+    max_queue: int = 256
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+# Platform -> agent ----------------------------------------------------------------------------
+
+
+class Assign(BaseModel):
+    """The full set of versions the agent must serve; anything else it holds is unloaded."""
+
+    type: Literal["assign"] = "assign"
+    versions: list[VersionSpec]
+    heartbeat_s: float = 5.0
+
+
+# Agent -> platform ----------------------------------------------------------------------------
+
+
+class Gpu(BaseModel):
+    name: str
+    memory_bytes: int = 0
+
+
+class Hello(BaseModel):
+    """First message after connecting: the node's facts."""
+
+    type: Literal["hello"] = "hello"
+    agent_version: str
+    host: str
+    cpu_count: int
+    memory_bytes: int
+    gpus: list[Gpu] = Field(default_factory=list)
+    providers: list[str] = Field(default_factory=list)
+
+
+class VersionStatus(BaseModel):
+    """A version's load state on this agent; the gateway routes only to ``ready`` ones."""
+
+    type: Literal["status"] = "status"
+    version_id: int
+    state: Literal["loading", "ready", "failed", "unloaded"]
+    detail: str = ""
+    provider: str = ""
+
+
+class Heartbeat(BaseModel):
+    type: Literal["heartbeat"] = "heartbeat"
+    queue_depth: int = 0
+    in_flight: int = 0
+    requests_total: int = 0
+    errors_total: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+
+
+AgentMessage = Annotated[Union[Hello, VersionStatus, Heartbeat], Field(discriminator="type")]
+agent_message = TypeAdapter(AgentMessage)
+
+
+# Binary inference frames --------------------------------------------------------------------
+
+
+class FrameTensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class InferRequest(BaseModel):
+    type: Literal["infer"] = "infer"
+    id: int
+    version_id: int
+    inputs: list[FrameTensor]
+    outputs: list[str] | None = None  # names the caller asked for; None means all
+
+
+class InferResult(BaseModel):
+    type: Literal["result"] = "result"
+    id: int
+    outputs: list[FrameTensor]
+
+
+ErrorCode = Literal["overloaded", "not_loaded", "bad_input", "internal"]
+
+
+class InferError(BaseModel):
+    type: Literal["error"] = "error"
+    id: int
+    code: ErrorCode
+    message: str
+
+
+FrameHeader = Annotated[Union[InferRequest, InferResult, InferError], Field(discriminator="type")]
+frame_header = TypeAdapter(FrameHeader)
+
+_LEN = struct.Struct("!I")
+
+
+class FrameError(ValueError):
+    """A binary frame that cannot be decoded."""
+
+
+def encode_frame(header: BaseModel, arrays: list[np.ndarray] = ()) -> bytes:  # type: ignore[assignment]
+    """Header JSON plus the arrays' bytes, in the order the header lists them."""
+    head = header.model_dump_json().encode()
+    parts = [_LEN.pack(len(head)), head]
+    parts.extend(np.ascontiguousarray(a).tobytes() for a in arrays)
+    return b"".join(parts)
+
+
+def decode_frame(data: bytes) -> tuple[InferRequest | InferResult | InferError, list[np.ndarray]]:
+    """Parse a frame; arrays are zero-copy views into ``data``."""
+    if len(data) < _LEN.size:
+        raise FrameError("frame shorter than its length prefix")
+    (head_len,) = _LEN.unpack_from(data)
+    end = _LEN.size + head_len
+    if end > len(data):
+        raise FrameError("frame header runs past the end of the frame")
+    try:
+        header = frame_header.validate_json(data[_LEN.size : end])
+    except ValueError as exc:
+        raise FrameError(f"bad frame header: {exc}") from exc
+    tensors = header.inputs if isinstance(header, InferRequest) else getattr(header, "outputs", [])
+    arrays: list[np.ndarray] = []
+    offset = end
+    view = memoryview(data)
+    for t in tensors:
+        dtype = OIP_TO_NUMPY.get(t.datatype)
+        if dtype is None:
+            raise FrameError(f"tensor {t.name!r}: unsupported datatype {t.datatype}")
+        count = int(np.prod(t.shape, dtype=np.int64)) if t.shape else 1
+        nbytes = count * dtype.itemsize
+        if offset + nbytes > len(data):
+            raise FrameError(f"tensor {t.name!r}: frame holds fewer bytes than its shape needs")
+        arrays.append(np.frombuffer(view[offset : offset + nbytes], dtype=dtype).reshape(t.shape))
+        offset += nbytes
+    if offset != len(data):
+        raise FrameError("frame has trailing bytes after its tensors")
+    return header, arrays
+
+
+def tensor_of(name: str, array: np.ndarray) -> FrameTensor:
+    """The frame header entry describing ``array`` (which must be a supported numeric dtype)."""
+    return FrameTensor(
+        name=name, datatype=NUMPY_TO_OIP[array.dtype.newbyteorder("<")], shape=list(array.shape)
+    )
