@@ -4,10 +4,16 @@ Control messages are JSON text frames validated by the pydantic models below. In
 requests and replies are binary frames: a 4-byte big-endian header length, the JSON header,
 then the raw little-endian tensor bytes in header order. Raw bytes avoid re-encoding numbers as
 JSON on both hops. Nothing here is ever unpickled.
+
+One binary websocket message carries one or more frames, each behind its own 4-byte length
+(``pack_frames``/``unpack_frames``): under load both sides coalesce the frames ready in one
+event-loop turn into one message, which measured as the largest single saving on the data path
+(one socket write and one websocket parse per batch instead of per request).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Annotated, Literal, Union
 
@@ -186,7 +192,7 @@ def decode_frame(data: bytes) -> tuple[InferRequest | InferResult | InferError, 
         dtype = OIP_TO_NUMPY.get(t.datatype)
         if dtype is None:
             raise FrameError(f"tensor {t.name!r}: unsupported datatype {t.datatype}")
-        count = int(np.prod(t.shape, dtype=np.int64)) if t.shape else 1
+        count = math.prod(t.shape)
         nbytes = count * dtype.itemsize
         if offset + nbytes > len(data):
             raise FrameError(f"tensor {t.name!r}: frame holds fewer bytes than its shape needs")
@@ -202,3 +208,28 @@ def tensor_of(name: str, array: np.ndarray) -> FrameTensor:
     return FrameTensor(
         name=name, datatype=NUMPY_TO_OIP[array.dtype.newbyteorder("<")], shape=list(array.shape)
     )
+
+
+def pack_frames(frames: list[bytes]) -> bytes:
+    """One websocket message holding several frames, each prefixed with its length."""
+    parts: list[bytes] = []
+    for frame in frames:
+        parts.append(_LEN.pack(len(frame)))
+        parts.append(frame)
+    return b"".join(parts)
+
+
+def unpack_frames(message: bytes) -> list[bytes]:
+    """The frames of one websocket message (``FrameError`` if the lengths do not add up)."""
+    frames: list[bytes] = []
+    offset, end = 0, len(message)
+    while offset < end:
+        if offset + _LEN.size > end:
+            raise FrameError("message ends inside a frame length")
+        (size,) = _LEN.unpack_from(message, offset)
+        offset += _LEN.size
+        if offset + size > end:
+            raise FrameError("frame runs past the end of the message")
+        frames.append(message[offset : offset + size])
+        offset += size
+    return frames

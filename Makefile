@@ -1,0 +1,36 @@
+# Switchyard developer targets. CI calls `make ci` unchanged; a newcomer needs `make up` and `make test`.
+PY ?= .venv/bin/python
+PIP ?= .venv/bin/pip
+PORT ?= 8000
+
+.PHONY: install up test test-embedded test-services lint bench ci migrations-check
+
+$(PY):
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel, so the project's `torch>=2.6` is already satisfied.
+install: $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+
+# Install, migrate, create the demo tenant/key/node/model, and run every process in the foreground.
+up: install
+	PORT=$(PORT) bash scripts/up.sh
+
+# The whole suite against PostgreSQL + Redis when reachable (DATABASE_URL/REDIS_URL, else the
+# local defaults), then the embedded default (SQLite, no Redis).
+test: install
+	bash scripts/test.sh
+
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+migrations-check: install
+	$(PY) manage.py makemigrations --check --dry-run
+
+bench: install
+	bash bench/run.sh
+
+ci: lint migrations-check test

@@ -1,0 +1,33 @@
+"""Create a serving node and print its token once."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from gateway.models import Node
+from gateway.nodes import create_node
+from tenants.models import Tenant
+
+
+class Command(BaseCommand):
+    help = "Create a node allowed to run a serving agent; prints its token (shown once)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name")
+        parser.add_argument("--tenant", help="serve only this tenant's models (slug)")
+        parser.add_argument("--quiet", action="store_true", help="print only the token")
+
+    def handle(self, name, tenant, quiet, **options):
+        if Node.objects.filter(name=name).exists():
+            raise CommandError(f"node {name!r} already exists")
+        owner = None
+        if tenant:
+            owner = Tenant.objects.filter(slug=tenant).first()
+            if owner is None:
+                raise CommandError(f"no tenant {tenant!r}")
+        _, token = create_node(name, owner)
+        if quiet:
+            self.stdout.write(token)
+        else:
+            self.stdout.write(
+                f"node {name} created. Start its agent with:\n"
+                f"  python -m serving_agent --platform http://PLATFORM:8000 --token {token}"
+            )

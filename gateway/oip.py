@@ -1,0 +1,145 @@
+"""Open Inference Protocol v2 over REST, as a lean ASGI application.
+
+The infer path is the platform's hottest, so it bypasses Django's request/response stack (a
+measured 5-10x in CPU per request) and calls the shared pipeline directly. Everything else
+under ``/v2`` is small and served here too, so KServe and Triton clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+from . import pipeline
+from .oip_codec import parse_infer, render_infer
+from .pipeline import ApiError
+from .state import GatewayState, get_state
+
+log = logging.getLogger(__name__)
+
+Scope = dict
+Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+
+SERVER_METADATA = orjson.dumps(
+    {"name": "switchyard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+)
+
+
+async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
+    state = get_state()
+    try:
+        status, body, headers = await _handle(state, scope, receive)
+    except ApiError as exc:
+        status, body, headers = exc.status, _error(exc.message), exc.headers
+    except Exception:
+        log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+        status, body, headers = 500, _error("internal server error"), []
+    await _respond(send, status, body, headers)
+
+
+async def _handle(
+    state: GatewayState, scope: Scope, receive: Receive
+) -> tuple[int, bytes, list[tuple[str, str]]]:
+    method = scope["method"]
+    parts = scope["path"].rstrip("/").split("/")[1:]  # "/v2/models/x/infer" -> [v2, models, ..]
+    n = len(parts)
+    if parts == ["v2"]:
+        _allow(method, "GET")
+        return 200, SERVER_METADATA, []
+    if n == 3 and parts[1] == "health" and parts[2] in ("live", "ready"):
+        _allow(method, "GET")
+        return 200, orjson.dumps({parts[2]: True}), []
+    if n < 3 or parts[1] != "models":
+        raise ApiError(404, f"no such endpoint: {scope['path']}")
+    name = parts[2]
+    rest = parts[3:]
+    version = None
+    if rest[:1] == ["versions"]:
+        if len(rest) < 2:
+            raise ApiError(404, f"no such endpoint: {scope['path']}")
+        version, rest = rest[1], rest[2:]
+    authorization = _header(scope, b"authorization")
+    if rest == ["infer"]:
+        _allow(method, "POST")
+        return await _infer(state, scope, receive, authorization, name, version)
+    if rest == []:
+        _allow(method, "GET")
+        _, route = await pipeline.admit(state, authorization, name, version)
+        return 200, orjson.dumps(_metadata(route)), []
+    if rest == ["ready"]:
+        _allow(method, "GET")
+        _, route = await pipeline.admit(state, authorization, name, version)
+        ready = state.pool.is_ready(route.version_id)
+        return (200 if ready else 503), orjson.dumps({"name": name, "ready": ready}), []
+    raise ApiError(404, f"no such endpoint: {scope['path']}")
+
+
+async def _infer(state, scope, receive, authorization, name, version):
+    _, route = await pipeline.admit(state, authorization, name, version)
+    body = await _read_body(scope, receive, state.max_body)
+    header_length = _header(scope, b"inference-header-content-length")
+    parsed = parse_infer(body, header_length, route)
+    outputs = await pipeline.run_inference(
+        state, route, parsed.names, parsed.arrays, parsed.outputs
+    )
+    payload, headers = render_infer(route, parsed.id, outputs, parsed.binary_outputs)
+    return 200, payload, headers
+
+
+def _metadata(route) -> dict:
+    return {
+        "name": route.model_name,
+        "versions": [str(route.version)],
+        "platform": "onnxruntime_onnx",
+        "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+                   for s in route.inputs],  # fmt: skip
+        "outputs": [dict(o) for o in route.outputs],
+    }
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise ApiError(405, f"method {method} not allowed here; use {allowed}",
+                       [("Allow", allowed)])  # fmt: skip
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _error(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+    raw_headers = [(b"content-length", str(len(body)).encode())]
+    if not any(k.lower() == "content-type" for k, _ in headers):
+        raw_headers.append((b"content-type", b"application/json"))
+    raw_headers.extend((k.lower().encode(), v.encode()) for k, v in headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,183 @@
+"""Parsing and rendering Open Inference Protocol v2 inference bodies.
+
+Supports the JSON form and Triton's binary tensor extension (``Inference-Header-Content-Length``
+with ``binary_data_size`` / ``binary_data`` parameters), which tritonclient uses by default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from serving_agent.protocol import NUMPY_TO_OIP, OIP_TO_NUMPY
+
+from .pipeline import ApiError, check_complete, check_tensor
+from .routes import Route
+
+
+@dataclass
+class ParsedInfer:
+    id: str | None
+    names: list[str]
+    arrays: list[np.ndarray]
+    outputs: list[str] | None  # None: all outputs
+    binary_outputs: set[str]
+
+
+def _load_json(raw: bytes) -> object:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        # orjson refuses NaN/Infinity literals; the stdlib reads them, so the tensor check
+        # can name the field that holds them.
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedInfer:
+    binary = b""
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise ApiError(400, "Inference-Header-Content-Length is not a length within the body")
+        binary = body[int(header_length) :]
+        body = body[: int(header_length)]
+    doc = _load_json(body)
+    if not isinstance(doc, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ApiError(400, "id: must be a string")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ApiError(400, "inputs: must be a non-empty list")
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    offset = 0
+    for i, item in enumerate(inputs):
+        array, used = _parse_input(item, i, route, binary, offset)
+        offset += used
+        names.append(item["name"])
+        arrays.append(array)
+    if offset != len(binary):
+        raise ApiError(400, "binary data: the body holds more bytes than the inputs declare")
+    check_complete(route, names)
+    outputs, binary_outputs = _parse_outputs(doc, route)
+    return ParsedInfer(request_id, names, arrays, outputs, binary_outputs)
+
+
+def _parse_input(
+    item: object, i: int, route: Route, binary: bytes, offset: int
+) -> tuple[np.ndarray, int]:
+    where = f"inputs[{i}]"
+    if not isinstance(item, dict):
+        raise ApiError(400, f"{where}: must be an object with name, shape, datatype and data")
+    name = item.get("name")
+    if not isinstance(name, str):
+        raise ApiError(400, f"{where}.name: must be a string")
+    where = f"inputs[{i}] ({name!r})"
+    spec = route.input(name)
+    if spec is None:
+        raise ApiError(400, f"{where}.name: unknown input {name!r}; the model takes "
+                            f"{[s.name for s in route.inputs]}")  # fmt: skip
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ApiError(400, f"{where}.shape: must be a list of non-negative integers")
+    datatype = item.get("datatype")
+    if datatype not in OIP_TO_NUMPY:
+        raise ApiError(400, f"{where}.datatype: unsupported datatype {datatype!r}")
+    if datatype != spec.datatype:
+        raise ApiError(400, f"{where}.datatype: the model expects {spec.datatype}, got {datatype}")
+    count = int(np.prod(shape, dtype=np.int64))
+    params = item.get("parameters") or {}
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None:
+        expected = count * spec.dtype.itemsize
+        if size != expected or offset + size > len(binary):
+            raise ApiError(400, f"{where}.parameters.binary_data_size: shape {shape} needs "
+                                f"{expected} bytes, got {size}")  # fmt: skip
+        array = np.frombuffer(binary, spec.dtype, count, offset).reshape(shape)
+        check_tensor(spec, array, where)
+        return array, size
+    array = _from_json_data(item.get("data"), spec.dtype, where)
+    if array.size != count:
+        raise ApiError(400, f"{where}.shape: {shape} holds {count} values "
+                            f"but data has {array.size}")  # fmt: skip
+    array = array.reshape(shape)
+    check_tensor(spec, array, where)
+    return array, 0
+
+
+def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
+    if not isinstance(data, list):
+        raise ApiError(400, f"{where}.data: must be a list of numbers")
+    try:
+        if dtype.kind == "f":
+            return np.asarray(data, dtype=dtype)
+        array = np.asarray(data)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"{where}.data: not a list of numbers ({exc})") from None
+    allowed = "b" if dtype.kind == "b" else "iub"
+    if array.size and array.dtype.kind not in allowed:
+        raise ApiError(400, f"{where}.data: values must be {NUMPY_TO_OIP[dtype]} "
+                            f"(got {array.dtype.name} values)")  # fmt: skip
+    if array.size and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise ApiError(400, f"{where}.data: values out of range for {NUMPY_TO_OIP[dtype]}")
+    return array.astype(dtype)
+
+
+def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]:
+    params = doc.get("parameters") if isinstance(doc.get("parameters"), dict) else {}
+    all_binary = bool(params.get("binary_data_output"))
+    requested = doc.get("outputs")
+    if requested is None:
+        return None, set(route.output_names) if all_binary else set()
+    if not isinstance(requested, list):
+        raise ApiError(400, "outputs: must be a list of {name}")
+    names: list[str] = []
+    binary: set[str] = set()
+    for i, item in enumerate(requested):
+        name = item.get("name") if isinstance(item, dict) else None
+        if name not in route.output_names:
+            raise ApiError(400, f"outputs[{i}].name: unknown output {name!r}; the model has "
+                                f"{list(route.output_names)}")  # fmt: skip
+        names.append(name)
+        item_params = item.get("parameters") or {}
+        if all_binary or (isinstance(item_params, dict) and item_params.get("binary_data")):
+            binary.add(name)
+    return names, binary
+
+
+def render_infer(
+    route: Route, request_id: str | None, outputs: list[tuple[str, np.ndarray]], binary: set[str]
+) -> tuple[bytes, list[tuple[str, str]]]:
+    """The response body and its extra headers (binary outputs follow the JSON header)."""
+    tensors = []
+    blobs = []
+    for name, array in outputs:
+        tensor: dict = {"name": name, "datatype": NUMPY_TO_OIP[array.dtype], "shape": list(array.shape)}
+        if name in binary:
+            blob = np.ascontiguousarray(array).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            tensor["data"] = np.ascontiguousarray(array).ravel()
+        tensors.append(tensor)
+    doc = {"model_name": route.model_name, "model_version": str(route.version), "outputs": tensors}
+    if request_id is not None:
+        doc["id"] = request_id
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return head, [("content-type", "application/json")]
+    return b"".join([head, *blobs]), [
+        ("content-type", "application/octet-stream"),
+        ("inference-header-content-length", str(len(head))),
+    ]

@@ -1,0 +1,84 @@
+"""Resolving a model name (and optional version) to the version that serves it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from registry.models import Alias, ModelVersion
+from registry.services import get_version, models_of
+from serving_agent.protocol import OIP_TO_NUMPY
+
+DEFAULT_ALIAS = "production"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    datatype: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Everything the data path needs about one servable version, cached per process."""
+
+    tenant_id: int
+    model_name: str
+    version_id: int
+    version: int
+    task: str
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[dict, ...]
+    feature_names: tuple[str, ...]
+
+    def input(self, name: str) -> InputSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(o["name"] for o in self.outputs)
+
+
+class RouteMissing(Exception):
+    """Nothing to serve: the message says what is missing (always answered as 404)."""
+
+
+def route_of(version: ModelVersion) -> Route:
+    return Route(
+        tenant_id=version.model.tenant_id,
+        model_name=version.model.name,
+        version_id=version.pk,
+        version=version.version,
+        task=version.model.task,
+        inputs=tuple(
+            InputSpec(t["name"], t["datatype"], OIP_TO_NUMPY[t["datatype"]], tuple(t["shape"]))
+            for t in version.inputs
+        ),
+        outputs=tuple(version.outputs),
+        feature_names=tuple(version.feature_names),
+    )
+
+
+def resolve_route(tenant_id: int, model_name: str, version: int | None) -> Route:
+    """The version behind ``production`` (or the given version) of a model of this tenant."""
+    if not models_of(tenant_id).filter(name=model_name).exists():
+        raise RouteMissing(f"model {model_name!r} not found")
+    if version is not None:
+        try:
+            return route_of(get_version(tenant_id, model_name, version))
+        except ModelVersion.DoesNotExist:
+            raise RouteMissing(f"model {model_name!r} has no version {version}") from None
+    alias = (
+        Alias.objects.select_related("version__model")
+        .filter(model__tenant_id=tenant_id, model__name=model_name, name=DEFAULT_ALIAS)
+        .first()
+    )
+    if alias is None:
+        raise RouteMissing(f"model {model_name!r} has no {DEFAULT_ALIAS!r} version yet")
+    return route_of(alias.version)

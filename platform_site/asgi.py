@@ -1,0 +1,44 @@
+"""ASGI entry point: the lean OIP v2 app for ``/v2``, Django for the rest, Channels for sockets.
+
+Run it under uvicorn (the measured default) or daphne.
+"""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "platform_site.settings")
+django_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from gateway.oip import oip_app  # noqa: E402
+from gateway.routing import websocket_urlpatterns  # noqa: E402
+
+
+async def http_app(scope, receive, send):
+    path = scope["path"]
+    if path == "/v2" or path.startswith("/v2/"):
+        await oip_app(scope, receive, send)
+    else:
+        await django_app(scope, receive, send)
+
+
+async def lifespan_app(scope, receive, send):
+    """Acknowledge uvicorn's lifespan events; state starts lazily on the first request."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": http_app,
+        "websocket": URLRouter(websocket_urlpatterns),
+        "lifespan": lifespan_app,
+    }
+)

@@ -1,0 +1,11 @@
+"""The Celery app, wired as in django-celery-beat's example project."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "platform_site.settings")
+
+app = Celery("switchyard")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

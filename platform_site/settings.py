@@ -1,0 +1,198 @@
+"""Switchyard settings: every value comes from the environment, with embedded defaults.
+
+Unset, the platform runs on one box with nothing to install: SQLite, an in-process channel
+layer, an in-process rate limiter and a file-based Celery broker under ``var/``. Set
+``DATABASE_URL`` and ``REDIS_URL`` for PostgreSQL and Redis. A secret may come from
+``NAME_FILE`` instead of ``NAME``.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env(name: str, default: str = "") -> str:
+    """The variable's value, or the content of the file named by NAME_FILE, or the default."""
+    if name in os.environ:
+        return os.environ[name]
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return default
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return env(name, str(default)).lower() in ("1", "true", "yes", "on")
+
+
+VAR_DIR = Path(env("SWITCHYARD_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = env("SECRET_KEY", "switchyard-embedded-dev-key-change-me-in-production")
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in env("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",")]
+CSRF_TRUSTED_ORIGINS = [o for o in env("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "django_celery_beat",
+    "tenants",
+    "registry",
+    "rollouts",
+    "gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "platform_site.urls"
+ASGI_APPLICATION = "platform_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# Database ----------------------------------------------------------------------------------
+DATABASES = {
+    "default": dj_database_url.parse(
+        env("DATABASE_URL", f"sqlite:///{VAR_DIR / 'switchyard.sqlite3'}"), conn_max_age=60
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL and IMMEDIATE transactions let the web server, Celery and beat share one file
+    # without "database is locked" errors.
+    DATABASES["default"]["OPTIONS"] = {
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+    }
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = str(VAR_DIR / "test.sqlite3")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Redis: channel layer, shared rate-limit store and Celery broker ---------------------------
+REDIS_URL = env("REDIS_URL", "")
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            # socket_timeout None: redis-py's 5 s read timeout would otherwise kill an idle
+            # consumer blocked in BZPOPMIN (channels-redis 4.3 + redis-py 8).
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery (django-celery-beat keeps the schedules in the database) ----------------------------
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+if CELERY_BROKER_URL == "filesystem://":
+    _broker_dir = VAR_DIR / "celery-broker"
+    for sub in ("queue", "processed"):
+        (_broker_dir / sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = "UTC"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Declared here, copied into the database by django-celery-beat, editable in the admin.
+CELERY_BEAT_SCHEDULE = {
+    "mark-stale-agents-offline": {
+        "task": "gateway.tasks.mark_stale_agents_offline",
+        "schedule": 15.0,
+    },
+}
+
+# Auth and i18n -----------------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(exist_ok=True)
+MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(VAR_DIR / "media")))
+MEDIA_URL = "media/"
+FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024)))
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "tenants.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "platform_site.errors.api_exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Switchyard API",
+    "DESCRIPTION": "Control plane and prediction API of the Switchyard inference platform.",
+    "VERSION": "0.1.0",
+}
+
+# Data path ---------------------------------------------------------------------------------
+SWITCHYARD = {
+    # Largest inference request body; larger ones get 413.
+    "MAX_BODY_BYTES": int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024))),
+    # Deadline for one inference through an agent; past it the client gets 504.
+    "INFER_TIMEOUT_S": float(env("SWITCHYARD_INFER_TIMEOUT_S", "10")),
+    # How often each gateway process checks whether keys, routes or agents changed.
+    "REFRESH_INTERVAL_S": float(env("SWITCHYARD_REFRESH_INTERVAL_S", "0.5")),
+    # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).
+    "RATE_LEASE_FRACTION": float(env("SWITCHYARD_RATE_LEASE_FRACTION", "0.1")),
+    # Agents silent for longer are treated as gone.
+    "AGENT_STALE_S": float(env("SWITCHYARD_AGENT_STALE_S", "30")),
+    "AGENT_HEARTBEAT_S": float(env("SWITCHYARD_AGENT_HEARTBEAT_S", "5")),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}

@@ -1,0 +1,31 @@
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from django.views.defaults import page_not_found
+from django.views.defaults import server_error as django_server_error
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+
+def not_found(request, exception=None):
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": f"no such endpoint: {request.path}"}, status=404)
+    return page_not_found(request, exception)
+
+
+def server_error(request):
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": "internal server error"}, status=500)
+    return django_server_error(request)
+
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/v1/", include("gateway.api.urls")),
+    path("api/v1/", include("registry.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("", include("gateway.web_urls")),
+]
+
+handler404 = not_found
+handler500 = server_error

@@ -1,0 +1,84 @@
+"""Admin for models, versions (uploaded through the same checks as the API) and aliases."""
+
+from django import forms
+from django.contrib import admin
+
+from .models import Alias, Model, ModelVersion
+from .services import create_version
+from .signature import SignatureError
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "task", "created_at"]
+    list_filter = ["tenant", "task"]
+    search_fields = ["name"]
+
+
+class VersionUploadForm(forms.ModelForm):
+    """On creation: the artifact is hashed and its signature read and checked."""
+
+    upload = forms.FileField(help_text="ONNX file", required=True)
+
+    class Meta:
+        model = ModelVersion
+        fields = [
+            "model", "upload", "source_commit", "training_data_hash", "parent",
+            "offline_metrics", "feature_names", "description", "max_batch_size",
+            "max_queue_delay_ms", "max_queue", "device",
+        ]  # fmt: skip
+
+    def clean(self):
+        data = super().clean()
+        model = data.get("model")
+        upload = data.get("upload")
+        if model is None or upload is None:
+            return data
+        details = {k: data[k] for k in self.Meta.fields if k in data and k not in ("model", "upload")}
+        try:
+            self.created = create_version(model, upload.read(), **details)
+        except SignatureError as exc:
+            raise forms.ValidationError({"upload": f"{exc.field}: {exc}"}) from None
+        return data
+
+
+@admin.register(ModelVersion)
+class ModelVersionAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "sha256", "format", "device", "created_at"]
+    list_filter = ["model__tenant", "format"]
+    editable = ["description", "max_batch_size", "max_queue_delay_ms", "max_queue", "device"]
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = VersionUploadForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return VersionUploadForm.Meta.fields
+        return [f.name for f in ModelVersion._meta.fields if f.name != "id"]
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return []
+        return [f.name for f in ModelVersion._meta.fields if f.name not in self.editable]
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            obj.save()
+            return
+        created = form.created
+        created.created_by = request.user
+        created.save(update_fields=["created_by"])
+        obj.pk = created.pk
+
+
+@admin.register(Alias)
+class AliasAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "model", "name", "version", "updated_at", "updated_by"]
+    list_filter = ["model__tenant"]
+    readonly_fields = ["updated_by", "updated_at"]
+
+    def save_model(self, request, obj, form, change):
+        obj.updated_by = request.user
+        super().save_model(request, obj, form, change)

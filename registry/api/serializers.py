@@ -1,0 +1,81 @@
+"""DRF serializers for models, versions and aliases."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from ..models import Alias, Device, Model, ModelVersion, TaskKind
+
+
+class ModelSerializer(serializers.ModelSerializer):
+    aliases = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Model
+        fields = ["name", "task", "description", "created_at", "aliases"]
+        read_only_fields = ["created_at", "aliases"]
+        validators = []  # uniqueness per tenant is checked in the view, which knows the tenant
+
+    def get_aliases(self, obj: Model) -> dict[str, int]:
+        return {a.name: a.version.version for a in obj.aliases.select_related("version")}
+
+
+class VersionSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    parent = serializers.IntegerField(source="parent.version", read_only=True, default=None)
+    aliases = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+
+    class Meta:
+        model = ModelVersion
+        fields = [
+            "model", "version", "sha256", "format", "inputs", "outputs", "feature_names",
+            "source_commit", "training_data_hash", "parent", "offline_metrics", "description",
+            "max_batch_size", "max_queue_delay_ms", "max_queue", "device", "aliases",
+            "created_at",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class VersionUploadSerializer(serializers.Serializer):
+    """A multipart upload; JSON-valued fields arrive as JSON strings."""
+
+    artifact = serializers.FileField()
+    inputs = serializers.JSONField(binary=True, required=False)
+    outputs = serializers.JSONField(binary=True, required=False)
+    feature_names = serializers.JSONField(binary=True, required=False)
+    offline_metrics = serializers.JSONField(binary=True, required=False)
+    source_commit = serializers.CharField(max_length=64, required=False, allow_blank=True)
+    training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
+    parent = serializers.IntegerField(min_value=1, required=False)
+    description = serializers.CharField(required=False, allow_blank=True)
+    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
+    max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    device = serializers.ChoiceField(choices=Device.choices, required=False)
+
+    def validate_offline_metrics(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object of metric name to value")
+        return value
+
+
+class VersionUpdateSerializer(serializers.Serializer):
+    """Only serving settings may change; any other field is refused by the view."""
+
+    description = serializers.CharField(required=False, allow_blank=True)
+    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
+    max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    device = serializers.ChoiceField(choices=Device.choices, required=False)
+
+
+class AliasSerializer(serializers.Serializer):
+    name = serializers.CharField(read_only=True)
+    version = serializers.IntegerField(min_value=1)
+    updated_at = serializers.DateTimeField(read_only=True)
+
+    def to_representation(self, alias: Alias) -> dict:
+        return {"name": alias.name, "version": alias.version.version, "updated_at": alias.updated_at}
+
+
+TASK_CHOICES = TaskKind.choices

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("models", views.ModelListView.as_view()),
+    path("models/<str:name>", views.ModelDetailView.as_view()),
+    path("models/<str:name>/versions", views.VersionListView.as_view()),
+    path("models/<str:name>/versions/<int:version>", views.VersionDetailView.as_view()),
+    path("models/<str:name>/aliases/<str:alias>", views.AliasView.as_view()),
+]

@@ -1,0 +1,137 @@
+"""Registry endpoints: thin views over registry.services, every lookup tenant-scoped."""
+
+from __future__ import annotations
+
+from django.db import IntegrityError
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from tenants.authentication import TenantRolePermission
+
+from .. import services
+from ..models import Model, ModelVersion
+from .serializers import (
+    AliasSerializer,
+    ModelSerializer,
+    VersionSerializer,
+    VersionUpdateSerializer,
+    VersionUploadSerializer,
+)
+
+
+def _model(request, name: str) -> Model:
+    return get_object_or_404(services.models_of(request.caller.tenant_id), name=name)
+
+
+def _version(model: Model, version: int) -> ModelVersion:
+    found = model.versions.filter(version=version).first()
+    if found is None:
+        raise NotFound(f"model {model.name!r} has no version {version}")
+    return found
+
+
+class ModelListView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=ModelSerializer(many=True))
+    def get(self, request):
+        models = services.models_of(request.caller.tenant_id)
+        return Response(ModelSerializer(models, many=True).data)
+
+    @extend_schema(request=ModelSerializer, responses={201: ModelSerializer})
+    def post(self, request):
+        serializer = ModelSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            model = serializer.save(tenant_id=request.caller.tenant_id)
+        except IntegrityError:
+            raise ValidationError({"name": "this tenant already has a model with this name"})
+        return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
+
+
+class ModelDetailView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=ModelSerializer)
+    def get(self, request, name: str):
+        return Response(ModelSerializer(_model(request, name)).data)
+
+
+class VersionListView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [MultiPartParser, FormParser]
+
+    @extend_schema(responses=VersionSerializer(many=True))
+    def get(self, request, name: str):
+        versions = _model(request, name).versions.select_related("model", "parent")
+        return Response(VersionSerializer(versions, many=True).data)
+
+    @extend_schema(request=VersionUploadSerializer, responses={201: VersionSerializer})
+    def post(self, request, name: str):
+        model = _model(request, name)
+        upload = VersionUploadSerializer(data=request.data)
+        upload.is_valid(raise_exception=True)
+        data = dict(upload.validated_data)
+        artifact = data.pop("artifact").read()
+        if "parent" in data:
+            data["parent"] = _version(model, data["parent"])
+        version = services.create_version(
+            model, artifact, created_by_id=request.caller.user_id, **data
+        )
+        return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+
+class VersionDetailView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=VersionSerializer)
+    def get(self, request, name: str, version: int):
+        return Response(VersionSerializer(_version(_model(request, name), version)).data)
+
+    @extend_schema(request=VersionUpdateSerializer, responses=VersionSerializer)
+    def patch(self, request, name: str, version: int):
+        found = _version(_model(request, name), version)
+        if not isinstance(request.data, dict):
+            raise ValidationError({"body": "must be a JSON object"})
+        immutable = sorted(set(request.data) - set(services.SERVING_FIELDS))
+        if immutable:
+            raise ValidationError(
+                {f: "model versions are immutable; this field cannot change" for f in immutable}
+            )
+        changes = VersionUpdateSerializer(data=request.data, partial=True)
+        changes.is_valid(raise_exception=True)
+        updated = services.update_serving_settings(found, dict(changes.validated_data))
+        return Response(VersionSerializer(updated).data)
+
+    def put(self, request, name: str, version: int):
+        _version(_model(request, name), version)
+        raise ValidationError(
+            {"version": "model versions are immutable; upload a new version instead"}
+        )
+
+
+class AliasView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=AliasSerializer)
+    def get(self, request, name: str, alias: str):
+        found = _model(request, name).aliases.select_related("version").filter(name=alias)
+        if not found:
+            raise NotFound(f"model {name!r} has no alias {alias!r}")
+        return Response(AliasSerializer(found[0]).data)
+
+    @extend_schema(request=AliasSerializer, responses=AliasSerializer)
+    def put(self, request, name: str, alias: str):
+        model = _model(request, name)
+        body = AliasSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        target = _version(model, body.validated_data["version"])
+        moved = services.set_alias(model, alias, target, updated_by_id=request.caller.user_id)
+        return Response(AliasSerializer(moved).data)

@@ -1,0 +1,76 @@
+"""Set up the embedded demo: admin user, demo tenant and key, a node, the fraud model serving.
+
+Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` so the
+start script can print them and hand the node token to the local agent.
+"""
+
+import json
+import secrets
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+from django.db import transaction
+
+from gateway.models import Node
+from gateway.nodes import create_node, rotate_node_token
+from registry.demo import FEATURE_NAMES, train_fraud_model
+from registry.models import Model, TaskKind
+from registry.services import create_version, set_alias
+from tenants.keys import create_api_key, identify_key
+from tenants.models import Membership, Quota, Role, Tenant
+
+
+class Command(BaseCommand):
+    help = "Create the demo tenant, key, node and fraud model (idempotent)."
+
+    def handle(self, **options):
+        path = settings.VAR_DIR / "demo.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        with transaction.atomic():
+            creds = self._bootstrap(saved)
+        path.write_text(json.dumps(creds, indent=2))
+        path.chmod(0o600)
+        self.stdout.write(json.dumps(creds))
+
+    def _bootstrap(self, saved: dict) -> dict:
+        User = get_user_model()
+        password = saved.get("admin_password") or secrets.token_urlsafe(12)
+        admin = User.objects.filter(username="admin").first()
+        if admin is None:
+            admin = User.objects.create_superuser("admin", "admin@localhost", password)
+        tenant, _ = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
+        Quota.objects.get_or_create(tenant=tenant, defaults={"requests_per_second": 20000, "burst": 40000})
+        Membership.objects.get_or_create(tenant=tenant, user=admin, defaults={"role": Role.APPROVER})
+
+        api_key = saved.get("api_key")
+        if not api_key or identify_key(api_key) is None:
+            _, api_key = create_api_key(tenant, "demo key", created_by=admin)
+
+        node = Node.objects.filter(name="local").first()
+        node_token = saved.get("node_token")
+        if node is None:
+            node, node_token = create_node("local")
+        elif not node_token:
+            node_token = rotate_node_token(node)
+
+        model, _ = Model.objects.get_or_create(
+            tenant=tenant, name="fraud-detector",
+            defaults={"task": TaskKind.CLASSIFIER, "description": "Demo fraud classifier"},
+        )  # fmt: skip
+        if not model.versions.exists():
+            self.stdout.write("training the demo fraud model…")
+            data, details = train_fraud_model()
+            version = create_version(
+                model, data, feature_names=FEATURE_NAMES, source_commit="demo",
+                description="trained by bootstrap_demo on generated data", **details,
+            )  # fmt: skip
+            set_alias(model, "production", version, updated_by_id=admin.pk)
+        return {
+            "admin_user": "admin",
+            "admin_password": password if admin.check_password(password) else "(unchanged)",
+            "api_key": api_key,
+            "node_token": node_token,
+            "tenant": tenant.slug,
+            "model": model.name,
+        }

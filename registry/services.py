@@ -1,0 +1,147 @@
+"""Registry domain functions: tenant-scoped lookups, version creation and alias moves."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from django.core.files.base import ContentFile
+from django.db import transaction
+from django.db.models import Max, QuerySet
+
+from .models import Alias, ArtifactFormat, Model, ModelVersion
+from .signature import (
+    SignatureError,
+    check_declared_matches,
+    normalize_declared,
+    read_onnx_signature,
+)
+
+MAX_ARTIFACT_BYTES = 2 * 1024 * 1024 * 1024
+SERVING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "max_queue", "device", "description")
+
+
+def models_of(tenant_id: int) -> QuerySet[Model]:
+    """Every lookup by name goes through here, so another tenant's model is never found."""
+    return Model.objects.filter(tenant_id=tenant_id)
+
+
+def get_model(tenant_id: int, name: str) -> Model:
+    return models_of(tenant_id).get(name=name)
+
+
+def get_version(tenant_id: int, model_name: str, version: int) -> ModelVersion:
+    return ModelVersion.objects.select_related("model").get(
+        model__tenant_id=tenant_id, model__name=model_name, version=version
+    )
+
+
+def create_version(
+    model: Model,
+    artifact: bytes,
+    *,
+    inputs: Any = None,
+    outputs: Any = None,
+    feature_names: list[str] | None = None,
+    created_by=None,
+    **details: Any,
+) -> ModelVersion:
+    """Store a new immutable version: hash the artifact, read and check its signature.
+
+    A declared signature (``inputs``/``outputs``) must agree with the artifact's own, or the
+    upload is refused; when none is declared the artifact's is recorded.
+    """
+    if not artifact:
+        raise SignatureError("artifact", "the uploaded file is empty")
+    if len(artifact) > MAX_ARTIFACT_BYTES:
+        raise SignatureError("artifact", "the uploaded file is larger than 2 GiB")
+    real_inputs, real_outputs = read_onnx_signature(artifact)
+    if inputs is not None:
+        inputs = normalize_declared(inputs, "inputs")
+        check_declared_matches(inputs, real_inputs, "inputs")
+    if outputs is not None:
+        outputs = normalize_declared(outputs, "outputs")
+        check_declared_matches(outputs, real_outputs, "outputs")
+    inputs = inputs or real_inputs
+    outputs = outputs or real_outputs
+    feature_names = feature_names or []
+    _check_feature_names(feature_names, inputs)
+    parent = details.pop("parent", None)
+    if parent is not None and parent.model_id != model.pk:
+        raise SignatureError("parent", "the parent version must belong to the same model")
+
+    sha256 = hashlib.sha256(artifact).hexdigest()
+    with transaction.atomic():
+        # Row lock on the model: concurrent uploads get consecutive version numbers.
+        Model.objects.select_for_update().filter(pk=model.pk).first()
+        latest = model.versions.aggregate(n=Max("version"))["n"] or 0
+        version = ModelVersion(
+            model=model,
+            version=latest + 1,
+            sha256=sha256,
+            format=ArtifactFormat.ONNX,
+            inputs=inputs,
+            outputs=outputs,
+            feature_names=feature_names,
+            parent=parent,
+            created_by=created_by,
+            **details,
+        )
+        version.artifact.save(f"{sha256}.onnx", ContentFile(artifact), save=False)
+        version.full_clean(exclude=["artifact"])
+        version.save()
+    return version
+
+
+def _check_feature_names(names: list[str], inputs: list[dict]) -> None:
+    if not names:
+        return
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise SignatureError("feature_names", "must be a list of non-empty strings")
+    if len(set(names)) != len(names):
+        raise SignatureError("feature_names", "must not repeat a name")
+    if len(inputs) != 1 or len(inputs[0]["shape"]) != 2 or inputs[0]["shape"][1] != len(names):
+        raise SignatureError(
+            "feature_names",
+            "needs a model with one 2-D input whose second dimension equals the number of names",
+        )
+
+
+def update_serving_settings(version: ModelVersion, changes: dict[str, Any]) -> ModelVersion:
+    """Change batching, device or description; anything else about a version is immutable."""
+    refused = sorted(set(changes) - set(SERVING_FIELDS))
+    if refused:
+        raise SignatureError(
+            refused[0], f"model versions are immutable; cannot change {', '.join(refused)}"
+        )
+    for field, value in changes.items():
+        setattr(version, field, value)
+    version.full_clean(exclude=["artifact"])
+    version.save()
+    return version
+
+
+def set_alias(
+    model: Model, name: str, version: ModelVersion, updated_by_id: int | None = None
+) -> Alias:
+    """Point an alias at a version (creating the alias if needed)."""
+    if version.model_id != model.pk:
+        raise SignatureError("version", "the version must belong to this model")
+    with transaction.atomic():
+        # Row lock: two concurrent moves of one alias end in one consistent row.
+        alias = Alias.objects.select_for_update().filter(model=model, name=name).first()
+        if alias is None:
+            alias = Alias(model=model, name=name)
+        alias.version = version
+        alias.updated_by_id = updated_by_id
+        alias.full_clean()
+        alias.save()
+    return alias
+
+
+def served_versions(tenant_id: int | None = None) -> QuerySet[ModelVersion]:
+    """Versions that some alias points at: what agents must serve (optionally for one tenant)."""
+    qs = ModelVersion.objects.filter(aliases__isnull=False).select_related("model").distinct()
+    if tenant_id is not None:
+        qs = qs.filter(model__tenant_id=tenant_id)
+    return qs.order_by("pk")

@@ -1,0 +1,112 @@
+"""Reading and checking the input/output signature of an ONNX artifact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+from onnx import TensorProto
+
+from serving_agent.protocol import OIP_TO_NUMPY
+
+# ONNX element types that map onto Open Inference Protocol v2 datatypes.
+_ONNX_TO_OIP = {
+    TensorProto.BOOL: "BOOL",
+    TensorProto.UINT8: "UINT8",
+    TensorProto.UINT16: "UINT16",
+    TensorProto.UINT32: "UINT32",
+    TensorProto.UINT64: "UINT64",
+    TensorProto.INT8: "INT8",
+    TensorProto.INT16: "INT16",
+    TensorProto.INT32: "INT32",
+    TensorProto.INT64: "INT64",
+    TensorProto.FLOAT16: "FP16",
+    TensorProto.FLOAT: "FP32",
+    TensorProto.DOUBLE: "FP64",
+}
+
+
+class SignatureError(ValueError):
+    """The artifact or the declared signature is not acceptable; the message names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _tensors(values: Any, kind: str) -> list[dict]:
+    out = []
+    for value in values:
+        tensor_type = value.type.tensor_type
+        datatype = _ONNX_TO_OIP.get(tensor_type.elem_type)
+        if datatype is None:
+            raise SignatureError(
+                "artifact", f"{kind} {value.name!r} has an element type Switchyard cannot serve"
+            )
+        shape = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
+        out.append({"name": value.name, "datatype": datatype, "shape": shape})
+    return out
+
+
+def read_onnx_signature(data: bytes) -> tuple[list[dict], list[dict]]:
+    """The (inputs, outputs) of an ONNX model, after checking it is a valid model."""
+    try:
+        model = onnx.load_model_from_string(data)
+        onnx.checker.check_model(model)
+    except Exception as exc:  # onnx raises several unrelated types for a bad file
+        raise SignatureError("artifact", f"not a valid ONNX model: {exc}") from exc
+    initializers = {i.name for i in model.graph.initializer}
+    graph_inputs = [i for i in model.graph.input if i.name not in initializers]
+    return _tensors(graph_inputs, "input"), _tensors(model.graph.output, "output")
+
+
+def normalize_declared(declared: Any, field: str) -> list[dict]:
+    """Check the shape of a declared signature: a list of {name, datatype, shape}."""
+    if not isinstance(declared, list) or not declared:
+        raise SignatureError(field, "must be a non-empty list of {name, datatype, shape}")
+    out = []
+    for i, t in enumerate(declared):
+        where = f"{field}[{i}]"
+        if not isinstance(t, dict) or set(t) - {"name", "datatype", "shape"}:
+            raise SignatureError(where, "must be an object with name, datatype and shape")
+        name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
+        if not isinstance(name, str) or not name:
+            raise SignatureError(f"{where}.name", "must be a non-empty string")
+        if datatype not in OIP_TO_NUMPY:
+            raise SignatureError(
+                f"{where}.datatype", f"must be one of {', '.join(OIP_TO_NUMPY)}; got {datatype!r}"
+            )
+        valid_dims = isinstance(shape, list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= -1 for d in shape
+        )
+        if not valid_dims:
+            raise SignatureError(f"{where}.shape", "must be a list of integers, -1 for dynamic")
+        out.append({"name": name, "datatype": datatype, "shape": shape})
+    return out
+
+
+def check_declared_matches(declared: list[dict], actual: list[dict], field: str) -> None:
+    """Refuse a declared signature that disagrees with the artifact's own."""
+    by_name = {t["name"]: t for t in actual}
+    declared_names = [t["name"] for t in declared]
+    if sorted(declared_names) != sorted(by_name):
+        raise SignatureError(
+            field,
+            f"declares {declared_names} but the artifact has {[t['name'] for t in actual]}",
+        )
+    for t in declared:
+        real = by_name[t["name"]]
+        if t["datatype"] != real["datatype"]:
+            raise SignatureError(
+                field,
+                f"{t['name']!r} is declared {t['datatype']} but the artifact has {real['datatype']}",
+            )
+        dims_agree = len(t["shape"]) == len(real["shape"]) and all(
+            d == r or r == -1 for d, r in zip(t["shape"], real["shape"], strict=True)
+        )
+        if not dims_agree:
+            raise SignatureError(
+                field,
+                f"{t['name']!r} is declared with shape {t['shape']} "
+                f"but the artifact has {real['shape']}",
+            )

@@ -1,0 +1,1 @@
+"""Rollout plans, approvals and guardrails (canary, shadow, A/B): not built yet."""

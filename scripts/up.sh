@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Start the whole platform on the embedded default (or on DATABASE_URL/REDIS_URL when set):
+# the ASGI server (web UI, admin, API, OIP v2, agent websocket), a Celery worker and beat, and
+# one local serving agent. Ctrl-C stops everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT="${PORT:-8000}"
+PY=.venv/bin/python
+
+$PY manage.py migrate --noinput -v0
+$PY manage.py collectstatic --noinput -v0
+$PY manage.py bootstrap_demo > var/bootstrap.log
+creds=var/demo.json
+get() { $PY -c "import json,sys; print(json.load(open('$creds'))[sys.argv[1]])" "$1"; }
+get node_token > var/node-token
+chmod 600 var/node-token
+
+cat <<MSG
+
+  Switchyard is starting on http://127.0.0.1:${PORT}
+  Admin:      http://127.0.0.1:${PORT}/admin/   user: admin   password: $(get admin_password)
+  API docs:   http://127.0.0.1:${PORT}/api/docs/
+  Demo key:   $(get api_key)
+  Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
+
+MSG
+export PORT
+exec .venv/bin/honcho -f Procfile start

@@ -1,0 +1,61 @@
+"""Admin for tenants, members, quotas and API keys (a new key is shown once, at creation)."""
+
+from django.contrib import admin, messages
+
+from .keys import create_api_key, revoke_api_key
+from .models import ApiKey, Membership, Quota, Tenant
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+    autocomplete_fields = ["user"]
+
+
+class QuotaInline(admin.StackedInline):
+    model = Quota
+    can_delete = False
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "created_at"]
+    search_fields = ["slug", "name"]
+    prepopulated_fields = {"slug": ["name"]}
+    inlines = [QuotaInline, MembershipInline]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at"]
+    list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
+    readonly_fields = ["prefix", "created_by", "created_at", "last_used_at", "revoked_at"]
+    fields = ["tenant", "name", *readonly_fields]
+    actions = ["revoke"]
+
+    def get_readonly_fields(self, request, obj=None):
+        # The tenant of an existing key never changes: that would move its access.
+        return [*self.readonly_fields, "tenant"] if obj else self.readonly_fields
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        key, raw = create_api_key(obj.tenant, obj.name, created_by=request.user)
+        obj.pk = key.pk
+        obj.prefix = key.prefix
+        messages.warning(
+            request, f"API key created. Copy it now, it will not be shown again: {raw}"
+        )
+
+    @admin.action(description="Revoke selected keys")
+    def revoke(self, request, queryset):
+        for key in queryset:
+            revoke_api_key(key)
+        messages.success(request, f"Revoked {queryset.count()} key(s).")
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ["user", "tenant", "role"]
+    list_filter = ["tenant", "role"]

@@ -1,0 +1,75 @@
+"""API key creation, revocation and lookup (keys are stored hashed, see platform_site.tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
+
+from .models import ApiKey, Quota, Tenant
+
+KEY_KIND = "sy"
+DEFAULT_QUOTA = Quota(requests_per_second=100.0, burst=200)
+
+
+@dataclass(frozen=True)
+class KeyIdentity:
+    """What a valid key tells the data path: the key, its tenant and the tenant's quota."""
+
+    key_id: int
+    tenant_id: int
+    tenant_slug: str
+    rate: float
+    burst: int
+
+
+def create_api_key(tenant: Tenant, name: str, created_by=None) -> tuple[ApiKey, str]:
+    """Create a key; the raw key is returned once and never stored."""
+    prefix, raw = new_token(KEY_KIND)
+    key = ApiKey.objects.create(
+        tenant=tenant, name=name, prefix=prefix, key_hash=hash_token(raw), created_by=created_by
+    )
+    return key, raw
+
+
+def revoke_api_key(key: ApiKey) -> ApiKey:
+    """Revoke a key; the gateways stop accepting it within their refresh interval."""
+    with transaction.atomic():
+        # Row lock: two concurrent revocations keep the first revocation time.
+        locked = ApiKey.objects.select_for_update().get(pk=key.pk)
+        if locked.revoked_at is None:
+            locked.revoked_at = timezone.now()
+            locked.save(update_fields=["revoked_at"])  # save() so change signals fire
+    return locked
+
+
+def identify_key(raw: str) -> KeyIdentity | None:
+    """The identity behind an active key, or None (unknown, malformed or revoked)."""
+    prefix = token_prefix(raw, KEY_KIND)
+    if prefix is None:
+        return None
+    row = (
+        ApiKey.objects.select_related("tenant", "tenant__quota")
+        .filter(prefix=prefix, revoked_at__isnull=True)
+        .first()
+    )
+    if row is None or not token_matches(raw, row.key_hash):
+        return None
+    quota = getattr(row.tenant, "quota", None) or DEFAULT_QUOTA
+    return KeyIdentity(
+        key_id=row.pk,
+        tenant_id=row.tenant_id,
+        tenant_slug=row.tenant.slug,
+        rate=quota.requests_per_second,
+        burst=quota.burst,
+    )
+
+
+def record_key_use(last_used: dict[int, datetime]) -> None:
+    """Write last-used times gathered in memory by the data path (kept off the request path)."""
+    for key_id, when in last_used.items():
+        ApiKey.objects.filter(pk=key_id).update(last_used_at=when)

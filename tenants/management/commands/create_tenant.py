@@ -1,0 +1,36 @@
+"""Create a tenant with a quota and an API key; prints the key once (as JSON with --json)."""
+
+import json as jsonlib
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+
+from tenants.keys import create_api_key
+from tenants.models import Quota, Tenant
+
+
+class Command(BaseCommand):
+    help = "Create a tenant, its quota and a first API key (printed once)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("slug")
+        parser.add_argument("--name", default="")
+        parser.add_argument("--rps", type=float, default=100.0, help="requests per second")
+        parser.add_argument("--burst", type=int, default=200)
+        parser.add_argument("--key-name", default="default")
+        parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    def handle(self, slug, name, rps, burst, key_name, json: bool, **options):
+        if Tenant.objects.filter(slug=slug).exists():
+            raise CommandError(f"tenant {slug!r} already exists")
+        with transaction.atomic():
+            tenant = Tenant.objects.create(slug=slug, name=name or slug)
+            Quota.objects.create(tenant=tenant, requests_per_second=rps, burst=burst)
+            _, raw = create_api_key(tenant, key_name)
+        if json:
+            self.stdout.write(_dumps({"tenant": slug, "api_key": raw}))
+        else:
+            self.stdout.write(f"tenant {slug} created; API key (shown once): {raw}")
+
+
+_dumps = jsonlib.dumps

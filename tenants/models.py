@@ -1,0 +1,84 @@
+"""Tenants, their members and roles, API keys (stored hashed) and quotas."""
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+
+
+class Tenant(models.Model):
+    """A customer or team: owns models, keys and a quota; everything is scoped to one."""
+
+    name = models.CharField(max_length=100)
+    slug = models.SlugField(max_length=50, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Role(models.TextChoices):
+    VIEWER = "viewer", "Viewer"
+    ENGINEER = "engineer", "Engineer"
+    APPROVER = "approver", "Approver"
+
+
+class Membership(models.Model):
+    """A Django user's role within one tenant."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "user"],
+                name="one_membership_per_user_and_tenant",
+                violation_error_message="This user is already a member of this tenant.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant} ({self.role})"
+
+
+class Quota(models.Model):
+    """A tenant's request budget: a token bucket of ``burst`` refilled at ``requests_per_second``."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+    requests_per_second = models.FloatField(default=100.0, validators=[MinValueValidator(0.001)])
+    burst = models.PositiveIntegerField(default=200, validators=[MinValueValidator(1)])
+
+    def __str__(self) -> str:
+        return f"{self.tenant}: {self.requests_per_second:g}/s, burst {self.burst}"
+
+
+class ApiKey(models.Model):
+    """A tenant's API key. Only a hash is kept; the short prefix finds the row without it."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    key_hash = models.CharField(max_length=64, editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (sy_{self.prefix}_…)"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None
