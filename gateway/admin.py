@@ -27,12 +27,20 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.action(description="Rotate the token of the selected node")
     def rotate_token(self, request, queryset):
         for node in queryset:
-            messages.warning(request, f"New token for {node}: {rotate_node_token(node)} (shown once)")
+            messages.warning(
+                request, f"New token for {node}: {rotate_node_token(node)} (shown once)"
+            )
 
 
 @admin.register(AgentSession)
 class AgentSessionAdmin(admin.ModelAdmin):
-    list_display = ["node", "channel_name", "ready_versions", "last_heartbeat_at", "disconnected_at"]
+    list_display = [
+        "node",
+        "channel_name",
+        "ready_versions",
+        "last_heartbeat_at",
+        "disconnected_at",
+    ]
     list_filter = ["node"]
 
     def has_add_permission(self, request):

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 
-from channels.db import database_sync_to_async
 from channels.consumer import get_handler_name
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from pydantic import ValidationError
 
 from platform_site.tokens import bearer
 from serving_agent.protocol import (
+    CLOSE_BAD_MESSAGE,
+    CLOSE_UNAUTHORIZED,
     Assign,
     FrameError,
     Heartbeat,
@@ -34,9 +36,6 @@ from .dispatch import AgentLink, error_frame
 from .state import get_state
 
 log = logging.getLogger(__name__)
-
-CLOSE_UNAUTHORIZED = 4401
-CLOSE_BAD_MESSAGE = 4400
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -96,14 +95,21 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.link = AgentLink(self.channel_name, self._send_message)
             self.state.pool.add(self.link)
             self.state.agent_consumers.add(self)
-        log.info("agent %s connected from %s (%s)", self.node, hello.host, ", ".join(hello.providers))
+        log.info(
+            "agent %s connected from %s (%s)", self.node, hello.host, ", ".join(hello.providers)
+        )
         await self.push_assignment(force=True)
 
     async def _status(self, status: VersionStatus) -> None:
         assert self.link is not None
         self.state.pool.set_ready(self.link, status.version_id, status.state == "ready")
-        log.info("node %s: version %s %s %s", self.node, status.version_id, status.state,
-                 status.detail or status.provider)  # fmt: skip
+        log.info(
+            "node %s: version %s %s %s",
+            self.node,
+            status.version_id,
+            status.state,
+            status.detail or status.provider,
+        )
         await database_sync_to_async(nodes.record_ready_versions)(
             self.session_id, sorted(self.link.ready)
         )
@@ -118,7 +124,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
             heartbeat = settings.SWITCHYARD["AGENT_HEARTBEAT_S"]
-            await self.send(text_data=Assign(versions=specs, heartbeat_s=heartbeat).model_dump_json())
+            await self.send(
+                text_data=Assign(versions=specs, heartbeat_s=heartbeat).model_dump_json()
+            )
             assigned = {s.version_id for s in specs}
             for vid in list(self.link.ready - assigned if self.link else []):
                 self.state.pool.set_ready(self.link, vid, False)

@@ -94,16 +94,18 @@ def _metadata(route) -> dict:
         "name": route.model_name,
         "versions": [str(route.version)],
         "platform": "onnxruntime_onnx",
-        "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
-                   for s in route.inputs],  # fmt: skip
+        "inputs": [
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in route.inputs
+        ],
         "outputs": [dict(o) for o in route.outputs],
     }
 
 
 def _allow(method: str, allowed: str) -> None:
     if method != allowed:
-        raise ApiError(405, f"method {method} not allowed here; use {allowed}",
-                       [("Allow", allowed)])  # fmt: skip
+        raise ApiError(
+            405, f"method {method} not allowed here; use {allowed}", [("Allow", allowed)]
+        )
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -59,7 +59,7 @@ def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedI
     arrays: list[np.ndarray] = []
     offset = 0
     for i, item in enumerate(inputs):
-        array, used = _parse_input(item, i, route, binary, offset)
+        array, used = _parse_input(item, i, route, binary, offset, inputs[:i])
         offset += used
         names.append(item["name"])
         arrays.append(array)
@@ -71,7 +71,7 @@ def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedI
 
 
 def _parse_input(
-    item: object, i: int, route: Route, binary: bytes, offset: int
+    item: object, i: int, route: Route, binary: bytes, offset: int, seen: list
 ) -> tuple[np.ndarray, int]:
     where = f"inputs[{i}]"
     if not isinstance(item, dict):
@@ -81,9 +81,14 @@ def _parse_input(
         raise ApiError(400, f"{where}.name: must be a string")
     where = f"inputs[{i}] ({name!r})"
     spec = route.input(name)
+    if any(i.get("name") == name for i in seen):
+        raise ApiError(400, f"{where}.name: input {name!r} given twice")
     if spec is None:
-        raise ApiError(400, f"{where}.name: unknown input {name!r}; the model takes "
-                            f"{[s.name for s in route.inputs]}")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{where}.name: unknown input {name!r}; the model takes "
+            f"{[s.name for s in route.inputs]}",
+        )
     shape = item.get("shape")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -100,15 +105,19 @@ def _parse_input(
     if size is not None:
         expected = count * spec.dtype.itemsize
         if size != expected or offset + size > len(binary):
-            raise ApiError(400, f"{where}.parameters.binary_data_size: shape {shape} needs "
-                                f"{expected} bytes, got {size}")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{where}.parameters.binary_data_size: shape {shape} needs "
+                f"{expected} bytes, got {size}",
+            )
         array = np.frombuffer(binary, spec.dtype, count, offset).reshape(shape)
         check_tensor(spec, array, where)
         return array, size
     array = _from_json_data(item.get("data"), spec.dtype, where)
     if array.size != count:
-        raise ApiError(400, f"{where}.shape: {shape} holds {count} values "
-                            f"but data has {array.size}")  # fmt: skip
+        raise ApiError(
+            400, f"{where}.shape: {shape} holds {count} values but data has {array.size}"
+        )
     array = array.reshape(shape)
     check_tensor(spec, array, where)
     return array, 0
@@ -125,8 +134,10 @@ def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
         raise ApiError(400, f"{where}.data: not a list of numbers ({exc})") from None
     allowed = "b" if dtype.kind == "b" else "iub"
     if array.size and array.dtype.kind not in allowed:
-        raise ApiError(400, f"{where}.data: values must be {NUMPY_TO_OIP[dtype]} "
-                            f"(got {array.dtype.name} values)")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{where}.data: values must be {NUMPY_TO_OIP[dtype]} (got {array.dtype.name} values)",
+        )
     if array.size and dtype.kind in "iu":
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
@@ -147,8 +158,11 @@ def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]
     for i, item in enumerate(requested):
         name = item.get("name") if isinstance(item, dict) else None
         if name not in route.output_names:
-            raise ApiError(400, f"outputs[{i}].name: unknown output {name!r}; the model has "
-                                f"{list(route.output_names)}")  # fmt: skip
+            raise ApiError(
+                400,
+                f"outputs[{i}].name: unknown output {name!r}; the model has "
+                f"{list(route.output_names)}",
+            )
         names.append(name)
         item_params = item.get("parameters") or {}
         if all_binary or (isinstance(item_params, dict) and item_params.get("binary_data")):
@@ -163,7 +177,11 @@ def render_infer(
     tensors = []
     blobs = []
     for name, array in outputs:
-        tensor: dict = {"name": name, "datatype": NUMPY_TO_OIP[array.dtype], "shape": list(array.shape)}
+        tensor: dict = {
+            "name": name,
+            "datatype": NUMPY_TO_OIP[array.dtype],
+            "shape": list(array.shape),
+        }
         if name in binary:
             blob = np.ascontiguousarray(array).tobytes()
             tensor["parameters"] = {"binary_data_size": len(blob)}

@@ -27,8 +27,11 @@ class ApiError(Exception):
 async def authenticate(state: GatewayState, authorization: str | None) -> KeyIdentity:
     raw = bearer(authorization)
     if raw is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                       [("WWW-Authenticate", "Bearer")])  # fmt: skip
+        raise ApiError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            [("WWW-Authenticate", "Bearer")],
+        )
     identity = await state.identify(raw)
     if identity is None:
         raise ApiError(401, "invalid or revoked API key", [("WWW-Authenticate", "Bearer")])
@@ -89,8 +92,11 @@ def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
 def check_complete(route: Route, names: list[str]) -> None:
     missing = [spec.name for spec in route.inputs if spec.name not in names]
     if missing:
-        raise ApiError(400, f"inputs: missing input {missing[0]!r}; the model takes "
-                            f"{[s.name for s in route.inputs]}")  # fmt: skip
+        raise ApiError(
+            400,
+            f"inputs: missing input {missing[0]!r}; the model takes "
+            f"{[s.name for s in route.inputs]}",
+        )
 
 
 async def run_inference(

@@ -16,8 +16,9 @@ def arrays_from_predict_body(
     outputs = body.get("outputs")
     if outputs is not None:
         if not isinstance(outputs, list) or any(o not in route.output_names for o in outputs):
-            raise ApiError(400, f"outputs: must be a list of output names from "
-                                f"{list(route.output_names)}")  # fmt: skip
+            raise ApiError(
+                400, f"outputs: must be a list of output names from {list(route.output_names)}"
+            )
     if ("instances" in body) == ("inputs" in body):
         raise ApiError(400, "send exactly one of 'instances' (rows) or 'inputs' (columns)")
     if "inputs" in body:
@@ -30,8 +31,10 @@ def arrays_from_predict_body(
     for name, values in columns.items():
         spec = route.input(name)
         if spec is None:
-            raise ApiError(400, f"inputs.{name}: unknown input; the model takes "
-                                f"{[s.name for s in route.inputs]}")  # fmt: skip
+            raise ApiError(
+                400,
+                f"inputs.{name}: unknown input; the model takes {[s.name for s in route.inputs]}",
+            )
         try:
             array = np.asarray(values, dtype=spec.dtype)
         except (ValueError, TypeError) as exc:
@@ -47,8 +50,9 @@ def _columns_from_instances(instances: object, route: Route) -> dict[str, list]:
     if not isinstance(instances, list) or not instances:
         raise ApiError(400, "instances: must be a non-empty list of rows")
     if route.feature_names:
-        return {route.inputs[0].name: [_row_from_features(r, i, route)
-                                       for i, r in enumerate(instances)]}  # fmt: skip
+        return {
+            route.inputs[0].name: [_row_from_features(r, i, route) for i, r in enumerate(instances)]
+        }
     if len(route.inputs) == 1 and not isinstance(instances[0], dict):
         return {route.inputs[0].name: instances}
     columns: dict[str, list] = {spec.name: [] for spec in route.inputs}
@@ -72,8 +76,11 @@ def _row_from_features(row: object, i: int, route: Route) -> list:
         raise ApiError(400, f"instances[{i}]: must be an object of feature name to value")
     unknown = set(row) - set(route.feature_names)
     if unknown:
-        raise ApiError(400, f"instances[{i}].{sorted(unknown)[0]}: unknown feature; the model "
-                            f"takes {list(route.feature_names)}")  # fmt: skip
+        raise ApiError(
+            400,
+            f"instances[{i}].{sorted(unknown)[0]}: unknown feature; the model "
+            f"takes {list(route.feature_names)}",
+        )
     missing = [f for f in route.feature_names if f not in row]
     if missing:
         raise ApiError(400, f"instances[{i}].{missing[0]}: missing feature")

@@ -134,7 +134,9 @@ class GatewayState:
         channel = await layer.new_channel("gateway.")
 
         async def send(agent_channel: str, frame: bytes) -> None:
-            await layer.send(agent_channel, {"type": "agent.forward", "frame": frame, "reply": channel})
+            await layer.send(
+                agent_channel, {"type": "agent.forward", "frame": frame, "reply": channel}
+            )
 
         async def listen() -> None:
             while True:

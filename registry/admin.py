@@ -23,10 +23,19 @@ class VersionUploadForm(forms.ModelForm):
     class Meta:
         model = ModelVersion
         fields = [
-            "model", "upload", "source_commit", "training_data_hash", "parent",
-            "offline_metrics", "feature_names", "description", "max_batch_size",
-            "max_queue_delay_ms", "max_queue", "device",
-        ]  # fmt: skip
+            "model",
+            "upload",
+            "source_commit",
+            "training_data_hash",
+            "parent",
+            "offline_metrics",
+            "feature_names",
+            "description",
+            "max_batch_size",
+            "max_queue_delay_ms",
+            "max_queue",
+            "device",
+        ]
 
     def clean(self):
         data = super().clean()
@@ -34,7 +43,9 @@ class VersionUploadForm(forms.ModelForm):
         upload = data.get("upload")
         if model is None or upload is None:
             return data
-        details = {k: data[k] for k in self.Meta.fields if k in data and k not in ("model", "upload")}
+        details = {
+            k: data[k] for k in self.Meta.fields if k in data and k not in ("model", "upload")
+        }
         try:
             self.created = create_version(model, upload.read(), **details)
         except SignatureError as exc:

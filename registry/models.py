@@ -70,9 +70,19 @@ class ModelVersion(models.Model):
     """
 
     IMMUTABLE_FIELDS = (
-        "model_id", "version", "artifact", "sha256", "format", "inputs", "outputs",
-        "source_commit", "training_data_hash", "parent_id", "offline_metrics", "feature_names",
-    )  # fmt: skip
+        "model_id",
+        "version",
+        "artifact",
+        "sha256",
+        "format",
+        "inputs",
+        "outputs",
+        "source_commit",
+        "training_data_hash",
+        "parent_id",
+        "offline_metrics",
+        "feature_names",
+    )
 
     model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="versions")
     version = models.PositiveIntegerField()

@@ -99,7 +99,8 @@ def check_declared_matches(declared: list[dict], actual: list[dict], field: str)
         if t["datatype"] != real["datatype"]:
             raise SignatureError(
                 field,
-                f"{t['name']!r} is declared {t['datatype']} but the artifact has {real['datatype']}",
+                f"{t['name']!r} is declared {t['datatype']} "
+                f"but the artifact has {real['datatype']}",
             )
         dims_agree = len(t["shape"]) == len(real["shape"]) and all(
             d == r or r == -1 for d, r in zip(t["shape"], real["shape"], strict=True)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, Field, TypeAdapter
 
 AGENT_WS_PATH = "/ws/agent/"
+CLOSE_UNAUTHORIZED = 4401  # websocket close code: unknown or disabled node token
+CLOSE_BAD_MESSAGE = 4400  # websocket close code: a message that breaks the protocol
 ARTIFACT_PATH = "/api/v1/agent/artifacts/{version_id}"
 
 # Open Inference Protocol v2 datatypes and their numpy equivalents (BYTES is not a tensor here).
@@ -117,7 +119,7 @@ class Heartbeat(BaseModel):
     p99_ms: float = 0.0
 
 
-AgentMessage = Annotated[Union[Hello, VersionStatus, Heartbeat], Field(discriminator="type")]
+AgentMessage = Annotated[Hello | VersionStatus | Heartbeat, Field(discriminator="type")]
 agent_message = TypeAdapter(AgentMessage)
 
 
@@ -127,7 +129,7 @@ agent_message = TypeAdapter(AgentMessage)
 class FrameTensor(BaseModel):
     name: str
     datatype: str
-    shape: list[int]
+    shape: list[Annotated[int, Field(ge=0)]]  # concrete: a frame never has dynamic dims
 
 
 class InferRequest(BaseModel):
@@ -154,7 +156,7 @@ class InferError(BaseModel):
     message: str
 
 
-FrameHeader = Annotated[Union[InferRequest, InferResult, InferError], Field(discriminator="type")]
+FrameHeader = Annotated[InferRequest | InferResult | InferError, Field(discriminator="type")]
 frame_header = TypeAdapter(FrameHeader)
 
 _LEN = struct.Struct("!I")

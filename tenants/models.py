@@ -48,7 +48,7 @@ class Membership(models.Model):
 
 
 class Quota(models.Model):
-    """A tenant's request budget: a token bucket of ``burst`` refilled at ``requests_per_second``."""
+    """A tenant's request budget: ``burst`` tokens, refilled at ``requests_per_second``."""
 
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
     requests_per_second = models.FloatField(default=100.0, validators=[MinValueValidator(0.001)])

@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from tests.factories import make_key, make_member, make_tenant
-
-
-def small_onnx(n_in: int = 4, n_out: int = 2, seed: int = 0) -> bytes:
-    """A tiny MLP exported to ONNX with a dynamic batch dimension."""
-    import torch
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(n_in, 8), torch.nn.ReLU(), torch.nn.Linear(8, n_out)
-    ).eval()
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, (torch.zeros(1, n_in),), buffer, input_names=["x"], output_names=["y"],
-            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False,
-        )  # fmt: skip
-    return buffer.getvalue()
+from tests.onnx_models import small_onnx
 
 
 @pytest.fixture(scope="session")

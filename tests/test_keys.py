@@ -16,8 +16,11 @@ def test_valid_key_identifies_its_tenant_and_quota(db):
     key, raw = make_key(tenant)
     identity = identify_key(raw)
     assert (identity.key_id, identity.tenant_id, identity.rate, identity.burst) == (
-        key.pk, tenant.pk, 5, 7,
-    )  # fmt: skip
+        key.pk,
+        tenant.pk,
+        5,
+        7,
+    )
 
 
 def test_wrong_secret_with_right_prefix_is_refused(db):

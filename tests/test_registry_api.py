@@ -30,8 +30,14 @@ def api_a(world):
 
 def test_create_model_upload_version_and_point_production(api_a, onnx_bytes):
     assert api_a.post("/api/v1/models", {"name": "clf", "task": "classifier"}).status_code == 201
-    response = upload(api_a, "clf", onnx_bytes, source_commit="abc123",
-                      offline_metrics={"auc": 0.91}, max_batch_size=16)  # fmt: skip
+    response = upload(
+        api_a,
+        "clf",
+        onnx_bytes,
+        source_commit="abc123",
+        offline_metrics={"auc": 0.91},
+        max_batch_size=16,
+    )
     assert response.status_code == 201, response.json()
     body = response.json()
     assert body["version"] == 1
@@ -45,7 +51,9 @@ def test_create_model_upload_version_and_point_production(api_a, onnx_bytes):
     assert api_a.get("/api/v1/models/clf").json()["aliases"] == {"production": 1}
 
 
-def test_upload_with_a_signature_that_disagrees_with_the_artifact_is_refused(world, api_a, onnx_bytes):
+def test_upload_with_a_signature_that_disagrees_with_the_artifact_is_refused(
+    world, api_a, onnx_bytes
+):
     make_model(world.a, "clf")
     bad = [{"name": "x", "datatype": "FP32", "shape": [-1, 5]}]
     response = upload(api_a, "clf", onnx_bytes, inputs=bad)
@@ -91,8 +99,12 @@ def test_other_tenant_gets_404_on_every_registry_endpoint(world, onnx_bytes):
     make_version(make_model(world.a, "clf"), onnx_bytes)
     other = client_with_key(world.key_b)
     assert other.get("/api/v1/models").json() == []
-    for url in ("/api/v1/models/clf", "/api/v1/models/clf/versions",
-                "/api/v1/models/clf/versions/1", "/api/v1/models/clf/aliases/production"):  # fmt: skip
+    for url in (
+        "/api/v1/models/clf",
+        "/api/v1/models/clf/versions",
+        "/api/v1/models/clf/versions/1",
+        "/api/v1/models/clf/aliases/production",
+    ):
         assert other.get(url).status_code == 404, url
     assert upload(other, "clf", onnx_bytes).status_code == 404
     put = other.put("/api/v1/models/clf/aliases/production", {"version": 1}, format="json")

@@ -66,7 +66,9 @@ class PredictView(APIView):
     def post(self, request, name: str, version: int | None = None):
         try:
             state, _, route = async_to_sync(_admit)(
-                request.META.get("HTTP_AUTHORIZATION"), name, None if version is None else str(version)
+                request.META.get("HTTP_AUTHORIZATION"),
+                name,
+                None if version is None else str(version),
             )
             names, arrays, outputs = arrays_from_predict_body(request.data, route)
             result = async_to_sync(_run)(state, route, names, arrays, outputs)
@@ -93,14 +95,14 @@ class ArtifactView(APIView):
     def get(self, request, version_id: int):
         node = nodes.authenticate_node(bearer(request.META.get("HTTP_AUTHORIZATION")))
         if node is None:
-            return Response({"error": "invalid node token"}, status=401,
-                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return Response(
+                {"error": "invalid node token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+            )
         if not nodes.may_download(node, version_id):
             raise NotFound("no such artifact for this node")
         version = ModelVersion.objects.get(pk=version_id)
-        response = FileResponse(version.artifact.open("rb"), content_type="application/octet-stream")
+        response = FileResponse(
+            version.artifact.open("rb"), content_type="application/octet-stream"
+        )
         response["X-Artifact-Sha256"] = version.sha256
         return response
-
-
-

@@ -28,11 +28,25 @@ class VersionSerializer(serializers.ModelSerializer):
     class Meta:
         model = ModelVersion
         fields = [
-            "model", "version", "sha256", "format", "inputs", "outputs", "feature_names",
-            "source_commit", "training_data_hash", "parent", "offline_metrics", "description",
-            "max_batch_size", "max_queue_delay_ms", "max_queue", "device", "aliases",
+            "model",
+            "version",
+            "sha256",
+            "format",
+            "inputs",
+            "outputs",
+            "feature_names",
+            "source_commit",
+            "training_data_hash",
+            "parent",
+            "offline_metrics",
+            "description",
+            "max_batch_size",
+            "max_queue_delay_ms",
+            "max_queue",
+            "device",
+            "aliases",
             "created_at",
-        ]  # fmt: skip
+        ]
         read_only_fields = fields
 
 
@@ -75,7 +89,11 @@ class AliasSerializer(serializers.Serializer):
     updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, alias: Alias) -> dict:
-        return {"name": alias.name, "version": alias.version.version, "updated_at": alias.updated_at}
+        return {
+            "name": alias.name,
+            "version": alias.version.version,
+            "updated_at": alias.updated_at,
+        }
 
 
 TASK_CHOICES = TaskKind.choices

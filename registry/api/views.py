@@ -50,7 +50,9 @@ class ModelListView(APIView):
         try:
             model = serializer.save(tenant_id=request.caller.tenant_id)
         except IntegrityError:
-            raise ValidationError({"name": "this tenant already has a model with this name"})
+            raise ValidationError(
+                {"name": "this tenant already has a model with this name"}
+            ) from None
         return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
 
 

@@ -40,8 +40,12 @@ class Command(BaseCommand):
         if admin is None:
             admin = User.objects.create_superuser("admin", "admin@localhost", password)
         tenant, _ = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
-        Quota.objects.get_or_create(tenant=tenant, defaults={"requests_per_second": 20000, "burst": 40000})
-        Membership.objects.get_or_create(tenant=tenant, user=admin, defaults={"role": Role.APPROVER})
+        Quota.objects.get_or_create(
+            tenant=tenant, defaults={"requests_per_second": 20000, "burst": 40000}
+        )
+        Membership.objects.get_or_create(
+            tenant=tenant, user=admin, defaults={"role": Role.APPROVER}
+        )
 
         api_key = saved.get("api_key")
         if not api_key or identify_key(api_key) is None:
@@ -55,16 +59,21 @@ class Command(BaseCommand):
             node_token = rotate_node_token(node)
 
         model, _ = Model.objects.get_or_create(
-            tenant=tenant, name="fraud-detector",
+            tenant=tenant,
+            name="fraud-detector",
             defaults={"task": TaskKind.CLASSIFIER, "description": "Demo fraud classifier"},
-        )  # fmt: skip
+        )
         if not model.versions.exists():
             self.stdout.write("training the demo fraud model…")
             data, details = train_fraud_model()
             version = create_version(
-                model, data, feature_names=FEATURE_NAMES, source_commit="demo",
-                description="trained by bootstrap_demo on generated data", **details,
-            )  # fmt: skip
+                model,
+                data,
+                feature_names=FEATURE_NAMES,
+                source_commit="demo",
+                description="trained by bootstrap_demo on generated data",
+                **details,
+            )
             set_alias(model, "production", version, updated_by_id=admin.pk)
         return {
             "admin_user": "admin",

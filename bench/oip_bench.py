@@ -1,0 +1,263 @@
+"""Benchmark the full OIP v2 path: wrk → ASGI server → agent → back, on PostgreSQL + Redis.
+
+Every server-side process (ASGI server, serving agent, a Redis of its own) is pinned to CPU 0
+with taskset and wrk to CPU 1. For each server (uvicorn, daphne) and 1/16/64 connections: 5 s of
+warm-up, then a measured run; it prints requests/s, p50/p99 and the server-side CPU per request
+(CPU time of the server processes over the requests served), next to ONNX Runtime called
+in-process on the same model in the same run. Run: ``make bench`` (or ``bash bench/run.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.harness import (  # noqa: E402
+    PY,
+    Proc,
+    free_port,
+    services_backend,
+    wait_until,
+)
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU of a process and its children that are still running."""
+    total = 0.0
+    pids = [pid] + _children(pid)
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICK
+        except (FileNotFoundError, IndexError):
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def run_wrk(url: str, connections: int, seconds: int, key: str, body: str) -> dict:
+    env = {**os.environ, "BENCH_KEY": key, "BENCH_BODY": body}
+    args = [
+        "taskset",
+        "-c",
+        "1",
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{seconds}s",
+        "-s",
+        str(ROOT / "bench" / "infer.lua"),
+        url,
+    ]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=seconds + 30)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("BENCH "))
+    return json.loads(line[6:])
+
+
+def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float]:
+    """ONNX Runtime called directly, one thread: (batch-1 requests/s, batch-64 items/s)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(artifact, opts, providers=["CPUExecutionProvider"])
+    rates = []
+    for batch in (1, 64):
+        x = np.random.default_rng(0).normal(size=(batch, 32)).astype(np.float32)
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            session.run(None, {"features": x})
+            count += 1
+        rates.append(count * batch / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--connections", default="1,16,64")
+    parser.add_argument("--servers", default="uvicorn,daphne")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "latest.md")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
+    redis_port = free_port()
+    redis = subprocess.Popen(
+        [
+            "taskset",
+            "-c",
+            "0",
+            "redis-server",
+            "--port",
+            str(redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+    time.sleep(0.5)
+    backend = services_backend(tmp)
+    creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
+    key, token = creds["api_key"], creds["node_token"]
+    artifact = backend.shell(
+        "from registry.models import ModelVersion;"
+        "print(ModelVersion.objects.get(model__name='fraud-detector').artifact.path)"
+    ).strip()
+    features = np.random.default_rng(1).normal(size=32).round(4).tolist()
+    body = json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32", "data": features}]}
+    )
+    rows = []
+    try:
+        for server in args.servers.split(","):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            if server == "uvicorn":
+                cmd = [
+                    PY,
+                    "-m",
+                    "uvicorn",
+                    "platform_site.asgi:application",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                ]
+            else:
+                cmd = [
+                    PY,
+                    "-m",
+                    "daphne",
+                    "-b",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-v",
+                    "0",
+                    "platform_site.asgi:application",
+                ]
+            env = {**backend.env, "LOG_LEVEL": "WARNING"}
+            srv = Proc(server, ["taskset", "-c", "0", *cmd], env, tmp)
+            agent = Proc(
+                "agent",
+                [
+                    "taskset",
+                    "-c",
+                    "0",
+                    PY,
+                    "-m",
+                    "serving_agent",
+                    "--platform",
+                    url,
+                    "--token",
+                    token,
+                    "--cache-dir",
+                    str(tmp / "cache"),
+                    "--log-level",
+                    "WARNING",
+                ],
+                env,
+                tmp,
+            )
+            headers = {"Authorization": f"Bearer {key}"}
+            ready = f"{url}/v2/models/fraud-detector/ready"
+            wait_until(partial(_ok, ready, headers), 60, agent)
+            for connections in (int(c) for c in args.connections.split(",")):
+                run_wrk(
+                    f"{url}/v2/models/fraud-detector/infer", connections, args.warmup, key, body
+                )
+                pids = [srv.popen.pid, agent.popen.pid, redis.pid]
+                before = sum(cpu_seconds(p) for p in pids)
+                result = run_wrk(
+                    f"{url}/v2/models/fraud-detector/infer", connections, args.seconds, key, body
+                )
+                used = sum(cpu_seconds(p) for p in pids) - before
+                seconds = result["duration_us"] / 1e6
+                rows.append(
+                    {
+                        "server": server,
+                        "connections": connections,
+                        "rps": result["requests"] / seconds,
+                        "p50_ms": result["p50_us"] / 1000,
+                        "p99_ms": result["p99_us"] / 1000,
+                        "errors": result["errors"],
+                        "cpu_ms_per_req": used * 1000 / max(result["requests"], 1),
+                    }
+                )
+                print(_row(rows[-1]), flush=True)
+            agent.stop()
+            srv.stop()
+        single, batched = in_process_onnx(Path(artifact).read_bytes())
+    finally:
+        backend.close()
+        redis.terminate()
+    table = _table(rows, single, batched)
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(table)
+
+
+def _ok(url: str, headers: dict) -> bool:
+    try:
+        return httpx.get(url, headers=headers, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _row(r: dict) -> str:
+    return (
+        f"| {r['server']} | {r['connections']} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
+        f"{r['p99_ms']:.2f} | {r['cpu_ms_per_req']:.3f} | {r['errors']} |"
+    )
+
+
+def _table(rows: list[dict], single: float, batched: float) -> str:
+    head = (
+        f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.node()} "
+        f"({os.cpu_count()} CPUs): demo fraud MLP (32→256→256→2), one item per request, "
+        "PostgreSQL + Redis, server-side processes on CPU 0, wrk on CPU 1.\n\n"
+        "| server | connections | req/s | p50 ms | p99 ms | server CPU ms/req | errors |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    tail = (
+        f"\nIn-process ONNX Runtime, same model, one thread: {single:,.0f} req/s at batch 1, "
+        f"{batched:,.0f} items/s at batch 64.\n"
+    )
+    return head + "\n".join(_row(r) for r in rows) + "\n" + tail
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Switchyard serving agent: runs on each GPU/CPU node and serves the models the platform assigns.
+
+Never imports Django: it talks to the platform only over the wire protocol in ``protocol``.
+"""
+
+from .__version__ import __version__
+from ._batcher import Batcher
+from ._cache import ArtifactCache
+from ._client import Agent, AuthRejected, Stats, backoff_delay, ws_url
+from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded, Overloaded
+from ._facts import node_facts
+from ._runtime import FunctionRuntime, OnnxRuntime, Runtime, load_runtime, warm_up
+
+__all__ = [
+    "Agent",
+    "AgentError",
+    "ArtifactCache",
+    "AuthRejected",
+    "BadInput",
+    "Batcher",
+    "ChecksumMismatch",
+    "FunctionRuntime",
+    "NotLoaded",
+    "OnnxRuntime",
+    "Overloaded",
+    "Runtime",
+    "Stats",
+    "__version__",
+    "backoff_delay",
+    "load_runtime",
+    "node_facts",
+    "warm_up",
+    "ws_url",
+]

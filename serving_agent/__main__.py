@@ -1,0 +1,88 @@
+"""``python -m serving_agent``: run the agent until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ._cache import ArtifactCache
+from ._client import Agent
+
+DEFAULT_CACHE = "~/.cache/switchyard-agent"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="python -m serving_agent", description="Serve the models the platform assigns."
+    )
+    parser.add_argument(
+        "--platform",
+        default=env.get("SWITCHYARD_PLATFORM"),
+        help="platform base URL, e.g. http://127.0.0.1:8000 (env SWITCHYARD_PLATFORM)",
+    )
+    parser.add_argument(
+        "--token",
+        default=env.get("SWITCHYARD_NODE_TOKEN"),
+        help="node token (env SWITCHYARD_NODE_TOKEN)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=env.get("SWITCHYARD_NODE_TOKEN_FILE"),
+        help="file holding the node token, instead of --token (env SWITCHYARD_NODE_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=env.get("SWITCHYARD_AGENT_CACHE", DEFAULT_CACHE),
+        help=f"artifact cache (env SWITCHYARD_AGENT_CACHE, default {DEFAULT_CACHE})",
+    )
+    parser.add_argument("--name", help="node name reported to the platform (default: hostname)")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    args = parser.parse_args(argv)
+    if not args.platform:
+        parser.error("--platform (or SWITCHYARD_PLATFORM) is required")
+    if args.token_file:
+        try:
+            args.token = Path(args.token_file).expanduser().read_text().strip()
+        except OSError as exc:
+            parser.error(f"cannot read the token file: {exc}")
+    if not args.token:
+        parser.error("--token, --token-file or SWITCHYARD_NODE_TOKEN is required")
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cache = ArtifactCache(args.cache_dir)
+    agent = Agent(args.platform, args.token, cache, threads=args.threads, name=args.name)
+    try:
+        await agent.run(stop)
+    finally:
+        cache.close()
+    logging.getLogger(__name__).info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

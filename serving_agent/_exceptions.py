@@ -1,0 +1,33 @@
+"""Errors the agent reports, each carrying the wire error code a request gets for it."""
+
+from __future__ import annotations
+
+from .protocol import ErrorCode
+
+
+class AgentError(Exception):
+    """Base class; ``code`` is the ``InferError.code`` a request failing with it gets."""
+
+    code: ErrorCode = "internal"
+
+
+class BadInput(AgentError, ValueError):
+    """A request whose tensors do not fit the version's signature."""
+
+    code: ErrorCode = "bad_input"
+
+
+class Overloaded(AgentError):
+    """The version's queue is full; the caller should retry elsewhere or later."""
+
+    code: ErrorCode = "overloaded"
+
+
+class NotLoaded(AgentError):
+    """The version is not ready on this agent (never assigned, still loading, or unloaded)."""
+
+    code: ErrorCode = "not_loaded"
+
+
+class ChecksumMismatch(AgentError):
+    """A downloaded artifact whose sha256 is not the one the platform promised."""

@@ -1,0 +1,246 @@
+"""Real processes for end-to-end tests: the ASGI server (uvicorn or daphne), serving agents and
+Celery, each on a backend: the embedded default (SQLite, no Redis) or PostgreSQL + Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+_redis_db = iter(range(1, 16))
+
+
+def services_available() -> bool:
+    return bool(
+        os.environ.get("DATABASE_URL", "").startswith("postgres") and os.environ.get("REDIS_URL")
+    )
+
+
+@dataclass
+class Backend:
+    name: str
+    env: dict[str, str]
+    var_dir: Path
+    cleanup: list = field(default_factory=list)
+
+    def manage(self, *args: str, timeout: float = 120) -> str:
+        done = subprocess.run(
+            [PY, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        return done.stdout
+
+    def shell(self, code: str) -> str:
+        return self.manage("shell", "-v", "0", "-c", code)
+
+    def close(self) -> None:
+        for step in reversed(self.cleanup):
+            step()
+
+
+def _base_env(var_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(
+        SWITCHYARD_VAR_DIR=str(var_dir),
+        PYTHONUNBUFFERED="1",
+        LOG_LEVEL="INFO",
+        SWITCHYARD_AGENT_STALE_S="30",
+        DJANGO_SETTINGS_MODULE="platform_site.settings",
+    )
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def embedded_backend(tmp: Path) -> Backend:
+    backend = Backend("embedded", _base_env(tmp), tmp)
+    backend.manage("migrate", "--noinput", "-v0")
+    return backend
+
+
+def services_backend(tmp: Path) -> Backend:
+    """A fresh PostgreSQL database and a flushed Redis database of their own."""
+    import psycopg
+    import redis
+
+    admin_url = os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
+    name = f"sy_e2e_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0]
+    redis_base = os.environ["REDIS_URL"].rsplit("/", 1)[0]
+    redis_url = f"{redis_base}/{next(_redis_db)}"
+    redis.Redis.from_url(redis_url).flushdb()
+    env = _base_env(tmp)
+    env.update(DATABASE_URL=f"{base}/{name}", REDIS_URL=redis_url)
+    backend = Backend("services", env, tmp)
+
+    def drop() -> None:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    backend.cleanup.append(drop)
+    backend.manage("migrate", "--noinput", "-v0")
+    return backend
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process with its output in a log file, stopped politely then firmly."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to say goodbye."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+def start_server(backend: Backend, kind: str, port: int) -> Proc:
+    if kind == "uvicorn":
+        args = [
+            PY,
+            "-m",
+            "uvicorn",
+            "platform_site.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+        ]
+    else:
+        args = [
+            PY,
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "platform_site.asgi:application",
+        ]
+    proc = Proc(kind, args, backend.env, backend.var_dir)
+    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/v2/health/live"), 30, proc)
+    return proc
+
+
+def start_agent(backend: Backend, base_url: str, token: str, name: str = "agent") -> Proc:
+    cache = backend.var_dir / f"cache-{name}"
+    args = [
+        PY,
+        "-m",
+        "serving_agent",
+        "--platform",
+        base_url,
+        "--token",
+        token,
+        "--cache-dir",
+        str(cache),
+    ]
+    return Proc(name, args, backend.env, backend.var_dir)
+
+
+def start_celery(backend: Backend, what: str) -> Proc:
+    if what == "worker":
+        args = [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "platform_site",
+            "worker",
+            "--pool",
+            "solo",
+            "--loglevel",
+            "INFO",
+        ]
+    else:
+        args = [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "platform_site",
+            "beat",
+            "--loglevel",
+            "INFO",
+            "--schedule",
+            str(backend.var_dir / "beat-schedule"),
+        ]
+    return Proc(f"celery-{what}", args, backend.env, backend.var_dir)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_until(check, timeout: float, proc: Proc | None = None, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.log()[-3000:]}")
+        time.sleep(interval)
+    detail = f"\n{proc.name} log:\n{proc.log()[-3000:]}" if proc else ""
+    raise TimeoutError(f"condition not met within {timeout} s{detail}")
+
+
+def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2000) -> str:
+    out = backend.manage("create_tenant", slug, "--rps", str(rps), "--burst", str(burst), "--json")
+    return json.loads(out)["api_key"]
+
+
+def create_node(backend: Backend, name: str) -> str:
+    return backend.manage("create_node", name, "--quiet").strip()

@@ -1,0 +1,157 @@
+"""The platform end to end: upload through the API, promote, predict over OIP v2 and the
+prediction API, and compare with ONNX Runtime run in the test process."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+# JSON as Python's json.dumps writes non-finite floats (which strict parsers refuse).
+NAN_BODY = (
+    b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [VALUE, 0, 0, 0]}]}'
+)
+
+
+def expected(artifact: bytes, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(artifact, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def oip_body(x: np.ndarray, request_id: str = "req-1") -> dict:
+    return {
+        "id": request_id,
+        "inputs": [
+            {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ],
+    }
+
+
+def test_oip_v2_predictions_equal_onnx_runtime(stack, rng):
+    x = rng.normal(size=(5, 4)).astype(np.float32)
+    with stack.client() as client:
+        response = client.post("/v2/models/clf/infer", json=oip_body(x))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["model_name"], body["model_version"], body["id"]) == ("clf", "1", "req-1")
+        out = body["outputs"][0]
+        assert (out["name"], out["datatype"], out["shape"]) == ("y", "FP32", [5, 2])
+        got = np.array(out["data"], dtype=np.float32).reshape(5, 2)
+        np.testing.assert_allclose(got, expected(stack.artifact, x), rtol=1e-5, atol=1e-6)
+        by_version = client.post("/v2/models/clf/versions/1/infer", json=oip_body(x))
+        assert by_version.json()["outputs"][0]["data"] == out["data"]
+
+
+def test_prediction_api_takes_rows_and_columns(stack, rng):
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    want = expected(stack.artifact, x)
+    with stack.client() as client:
+        rows = client.post("/api/v1/models/clf/predict", json={"instances": x.tolist()})
+        assert rows.status_code == 200, rows.text
+        np.testing.assert_allclose(rows.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+        cols = client.post("/api/v1/models/clf/predict", json={"inputs": {"x": x.tolist()}})
+        np.testing.assert_allclose(cols.json()["outputs"]["y"], want, rtol=1e-5, atol=1e-6)
+        bad = client.post("/api/v1/models/clf/predict", json={"inputs": {"z": x.tolist()}})
+        assert bad.status_code == 400 and "unknown input" in bad.json()["error"]
+
+
+def test_metadata_and_health_follow_the_protocol(stack):
+    with stack.client() as client:
+        assert client.get("/v2/health/live").json() == {"live": True}
+        assert client.get("/v2/health/ready").status_code == 200
+        meta = client.get("/v2/models/clf").json()
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert meta["versions"] == ["1"]
+        assert client.get("/v2/models/clf/versions/1/ready").json() == {
+            "name": "clf",
+            "ready": True,
+        }
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{", 400, "not valid JSON"),
+        (
+            {"inputs": [{"name": "nope", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]},
+            400,
+            "unknown input 'nope'",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "INT32", "data": [0] * 4}]},
+            400,
+            "expects FP32, got INT32",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 3}]},
+            400,
+            "holds 4 values but data has 3",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [0] * 3}]},
+            400,
+            "does not match the signature",
+        ),
+        (
+            NAN_BODY.replace(b"VALUE", b"NaN"),
+            400,
+            "NaN or infinity",
+        ),
+        (
+            NAN_BODY.replace(b"VALUE", b"Infinity"),
+            400,
+            "NaN or infinity",
+        ),
+    ],
+)
+def test_bad_input_gets_a_4xx_naming_the_problem(stack, body, status, message):
+    with stack.client() as client:
+        if isinstance(body, bytes):
+            response = client.post("/v2/models/clf/infer", content=body)
+        else:
+            response = client.post("/v2/models/clf/infer", json=body)
+    assert response.status_code == status
+    assert message in response.json()["error"]
+    assert "Traceback" not in response.text
+
+
+def test_oversized_body_gets_413(stack):
+    with stack.client() as client:
+        response = client.post("/v2/models/clf/infer", content=b" " * (17 * 1024 * 1024))
+    assert response.status_code == 413 and "larger than the limit" in response.json()["error"]
+
+
+def test_unknown_missing_and_revoked_keys_get_401(stack):
+    with stack.client("sy_deadbeef_nope") as client:
+        assert client.post("/v2/models/clf/infer", json={}).status_code == 401
+    with stack.client() as client:
+        client.headers.pop("Authorization")
+        response = client.post("/v2/models/clf/infer", json={})
+        assert response.status_code == 401 and "missing API key" in response.json()["error"]
+
+
+def test_other_tenant_gets_404_on_every_data_path_endpoint(stack, rng):
+    x = rng.normal(size=(1, 4)).astype(np.float32)
+    with stack.client(stack.key_b) as client:
+        for method, path in [
+            ("GET", "/v2/models/clf"),
+            ("GET", "/v2/models/clf/ready"),
+            ("GET", "/v2/models/clf/versions/1"),
+            ("POST", "/v2/models/clf/infer"),
+            ("POST", "/v2/models/clf/versions/1/infer"),
+        ]:
+            response = client.request(method, path, json=oip_body(x))
+            assert response.status_code == 404, (path, response.text)
+            assert "not found" in response.json()["error"]
+        predict = client.post("/api/v1/models/clf/predict", json={"instances": x.tolist()})
+        assert predict.status_code == 404
+
+
+def test_unknown_routes_and_methods_are_clear(stack):
+    with stack.client() as client:
+        assert client.get("/v2/models/clf/infer").status_code == 405
+        assert client.get("/v2/nothing").status_code == 404
+        assert client.post("/v2/models/clf/versions/abc/infer", json={}).status_code == 400
