@@ -7,6 +7,7 @@ servers; it hands the work to the same async pipeline as OIP v2 on the server's 
 from __future__ import annotations
 
 from asgiref.sync import async_to_sync
+from django.core.exceptions import RequestDataTooBig
 from django.http import FileResponse
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
@@ -70,7 +71,11 @@ class PredictView(APIView):
                 name,
                 None if version is None else str(version),
             )
-            names, arrays, outputs = arrays_from_predict_body(request.data, route)
+            try:
+                data = request.data
+            except RequestDataTooBig:
+                raise ApiError(413, "request body is larger than the limit") from None
+            names, arrays, outputs = arrays_from_predict_body(data, route)
             result = async_to_sync(_run)(state, route, names, arrays, outputs)
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
