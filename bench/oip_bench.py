@@ -95,37 +95,45 @@ def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float
     return rates[0], rates[1]
 
 
+# (label, server command, path, body kind): the OIP v2 path under both servers, then the DRF
+# prediction API, then two uvicorn workers where about half the requests reach the agent
+# through the Redis channel layer (the agent's socket is held by one of them).
+CASES = [
+    ("uvicorn", "uvicorn", "oip"),
+    ("daphne", "daphne", "oip"),
+    ("uvicorn, DRF prediction API", "uvicorn", "predict"),
+    ("uvicorn, 2 workers (Redis hop)", "uvicorn2", "oip"),
+]
+SERVERS = {
+    "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
+    "--no-access-log --log-level warning",
+    "uvicorn2": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
+    "--no-access-log --log-level warning --workers 2",
+    "daphne": "-m daphne -b 127.0.0.1 -p {port} -v 0 platform_site.asgi:application",
+}
+
+
+def start_redis() -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = f"taskset -c 0 redis-server --port {port} --bind 127.0.0.1 --appendonly no --save"
+    proc = subprocess.Popen([*cmd.split(), ""], stdout=subprocess.DEVNULL)
+    time.sleep(0.5)
+    return proc, port
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--connections", default="1,16,64")
-    parser.add_argument("--servers", default="uvicorn,daphne")
+    parser.add_argument("--cases", default=",".join(c[0] for c in CASES))
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "latest.md")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
-    redis_port = free_port()
-    redis = subprocess.Popen(
-        [
-            "taskset",
-            "-c",
-            "0",
-            "redis-server",
-            "--port",
-            str(redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    redis, redis_port = start_redis()
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    time.sleep(0.5)
     backend = services_backend(tmp)
     creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
     key, token = creds["api_key"], creds["node_token"]
@@ -134,81 +142,47 @@ def main() -> None:
         "print(ModelVersion.objects.get(model__name='fraud-detector').artifact.path)"
     ).strip()
     features = np.random.default_rng(1).normal(size=32).round(4).tolist()
-    body = json.dumps(
-        {"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32", "data": features}]}
-    )
+    bodies = {
+        "oip": json.dumps(
+            {
+                "inputs": [
+                    {"name": "features", "shape": [1, 32], "datatype": "FP32", "data": features}
+                ]
+            }
+        ),
+        "predict": json.dumps({"instances": [features]}),
+    }
+    paths = {
+        "oip": "/v2/models/fraud-detector/infer",
+        "predict": "/api/v1/models/fraud-detector/predict",
+    }
+    wanted = args.cases.split(",")
     rows = []
     try:
-        for server in args.servers.split(","):
+        for label, server, kind in (c for c in CASES if c[0] in wanted):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            if server == "uvicorn":
-                cmd = [
-                    PY,
-                    "-m",
-                    "uvicorn",
-                    "platform_site.asgi:application",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
-                ]
-            else:
-                cmd = [
-                    PY,
-                    "-m",
-                    "daphne",
-                    "-b",
-                    "127.0.0.1",
-                    "-p",
-                    str(port),
-                    "-v",
-                    "0",
-                    "platform_site.asgi:application",
-                ]
             env = {**backend.env, "LOG_LEVEL": "WARNING"}
-            srv = Proc(server, ["taskset", "-c", "0", *cmd], env, tmp)
-            agent = Proc(
-                "agent",
-                [
-                    "taskset",
-                    "-c",
-                    "0",
-                    PY,
-                    "-m",
-                    "serving_agent",
-                    "--platform",
-                    url,
-                    "--token",
-                    token,
-                    "--cache-dir",
-                    str(tmp / "cache"),
-                    "--log-level",
-                    "WARNING",
-                ],
-                env,
-                tmp,
-            )
+            cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=port).split()]
+            srv = Proc(server, cmd, env, tmp)
+            agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {url} --token {token} "
+            agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
+            agent = Proc("agent", agent_cmd.split(), env, tmp)
             headers = {"Authorization": f"Bearer {key}"}
             ready = f"{url}/v2/models/fraud-detector/ready"
             wait_until(partial(_ok, ready, headers), 60, agent)
+            time.sleep(1.5)  # every worker learns where the agent is (refresh interval 0.5 s)
             for connections in (int(c) for c in args.connections.split(",")):
-                run_wrk(
-                    f"{url}/v2/models/fraud-detector/infer", connections, args.warmup, key, body
-                )
+                target = url + paths[kind]
+                run_wrk(target, connections, args.warmup, key, bodies[kind])
                 pids = [srv.popen.pid, agent.popen.pid, redis.pid]
                 before = sum(cpu_seconds(p) for p in pids)
-                result = run_wrk(
-                    f"{url}/v2/models/fraud-detector/infer", connections, args.seconds, key, body
-                )
+                result = run_wrk(target, connections, args.seconds, key, bodies[kind])
                 used = sum(cpu_seconds(p) for p in pids) - before
                 seconds = result["duration_us"] / 1e6
                 rows.append(
                     {
-                        "server": server,
+                        "case": label,
                         "connections": connections,
                         "rps": result["requests"] / seconds,
                         "p50_ms": result["p50_us"] / 1000,
@@ -239,7 +213,7 @@ def _ok(url: str, headers: dict) -> bool:
 
 def _row(r: dict) -> str:
     return (
-        f"| {r['server']} | {r['connections']} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
+        f"| {r['case']} | {r['connections']} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
         f"{r['p99_ms']:.2f} | {r['cpu_ms_per_req']:.3f} | {r['errors']} |"
     )
 
@@ -249,7 +223,7 @@ def _table(rows: list[dict], single: float, batched: float) -> str:
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.node()} "
         f"({os.cpu_count()} CPUs): demo fraud MLP (32→256→256→2), one item per request, "
         "PostgreSQL + Redis, server-side processes on CPU 0, wrk on CPU 1.\n\n"
-        "| server | connections | req/s | p50 ms | p99 ms | server CPU ms/req | errors |\n"
+        "| case | connections | req/s | p50 ms | p99 ms | server CPU ms/req | errors |\n"
         "| --- | --- | --- | --- | --- | --- | --- |\n"
     )
     tail = (

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from platform_site.tokens import bearer
+from serving_agent.protocol import InferError
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
@@ -114,7 +115,7 @@ async def run_inference(
     except DispatchError as exc:
         retry = [("Retry-After", str(exc.retry_after))] if exc.retry_after else []
         raise ApiError(exc.status, exc.message, retry) from None
-    if reply.type == "error":
+    if isinstance(reply, InferError):
         status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(reply.code, 500)
         retry = [("Retry-After", "1")] if status == 503 else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"

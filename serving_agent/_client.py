@@ -469,7 +469,7 @@ class Agent:
             self._track(self.reply(error_frame(request_id, BadInput(str(exc))), received, False))
             return
         if not isinstance(header, InferRequest):
-            logger.warning("ignoring %s frame from the platform", header.type)
+            logger.warning("ignoring %s frame from the platform", type(header).__name__)
             return
         self._track(self.serve_request(header, arrays, received))
 

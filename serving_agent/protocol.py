@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -124,24 +126,24 @@ agent_message = TypeAdapter(AgentMessage)
 
 
 # Binary inference frames --------------------------------------------------------------------
+# Frame headers are msgspec structs: typed and validated like the pydantic messages above, but
+# measured ~4x cheaper per request (bench/frame_bench.py), which matters on the hot path.
 
 
-class FrameTensor(BaseModel):
+class FrameTensor(msgspec.Struct, frozen=True):
     name: str
     datatype: str
-    shape: list[Annotated[int, Field(ge=0)]]  # concrete: a frame never has dynamic dims
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]  # concrete: a frame has no dynamic dims
 
 
-class InferRequest(BaseModel):
-    type: Literal["infer"] = "infer"
+class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     id: int
     version_id: int
     inputs: list[FrameTensor]
     outputs: list[str] | None = None  # names the caller asked for; None means all
 
 
-class InferResult(BaseModel):
-    type: Literal["result"] = "result"
+class InferResult(msgspec.Struct, tag="result", tag_field="type"):
     id: int
     outputs: list[FrameTensor]
 
@@ -149,15 +151,15 @@ class InferResult(BaseModel):
 ErrorCode = Literal["overloaded", "not_loaded", "bad_input", "internal"]
 
 
-class InferError(BaseModel):
-    type: Literal["error"] = "error"
+class InferError(msgspec.Struct, tag="error", tag_field="type"):
     id: int
     code: ErrorCode
     message: str
 
 
-FrameHeader = Annotated[InferRequest | InferResult | InferError, Field(discriminator="type")]
-frame_header = TypeAdapter(FrameHeader)
+FrameHeader = InferRequest | InferResult | InferError
+_decode_header = msgspec.json.Decoder(FrameHeader).decode
+_encode_header = msgspec.json.Encoder().encode
 
 _LEN = struct.Struct("!I")
 
@@ -166,15 +168,15 @@ class FrameError(ValueError):
     """A binary frame that cannot be decoded."""
 
 
-def encode_frame(header: BaseModel, arrays: list[np.ndarray] = ()) -> bytes:  # type: ignore[assignment]
+def encode_frame(header: FrameHeader, arrays: Sequence[np.ndarray] = ()) -> bytes:
     """Header JSON plus the arrays' bytes, in the order the header lists them."""
-    head = header.model_dump_json().encode()
+    head = _encode_header(header)
     parts = [_LEN.pack(len(head)), head]
     parts.extend(np.ascontiguousarray(a).tobytes() for a in arrays)
     return b"".join(parts)
 
 
-def decode_frame(data: bytes) -> tuple[InferRequest | InferResult | InferError, list[np.ndarray]]:
+def decode_frame(data: bytes) -> tuple[FrameHeader, list[np.ndarray]]:
     """Parse a frame; arrays are zero-copy views into ``data``."""
     if len(data) < _LEN.size:
         raise FrameError("frame shorter than its length prefix")
@@ -183,8 +185,8 @@ def decode_frame(data: bytes) -> tuple[InferRequest | InferResult | InferError, 
     if end > len(data):
         raise FrameError("frame header runs past the end of the frame")
     try:
-        header = frame_header.validate_json(data[_LEN.size : end])
-    except ValueError as exc:
+        header = _decode_header(data[_LEN.size : end])
+    except msgspec.MsgspecError as exc:
         raise FrameError(f"bad frame header: {exc}") from exc
     tensors = header.inputs if isinstance(header, InferRequest) else getattr(header, "outputs", [])
     arrays: list[np.ndarray] = []
@@ -207,9 +209,7 @@ def decode_frame(data: bytes) -> tuple[InferRequest | InferResult | InferError, 
 
 def tensor_of(name: str, array: np.ndarray) -> FrameTensor:
     """The frame header entry describing ``array`` (which must be a supported numeric dtype)."""
-    return FrameTensor(
-        name=name, datatype=NUMPY_TO_OIP[array.dtype.newbyteorder("<")], shape=list(array.shape)
-    )
+    return FrameTensor(name, NUMPY_TO_OIP[array.dtype.newbyteorder("<")], list(array.shape))
 
 
 def pack_frames(frames: list[bytes]) -> bytes:
