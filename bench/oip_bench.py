@@ -95,15 +95,15 @@ def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float
     return rates[0], rates[1]
 
 
-# (label, server command, path, body kind): the OIP v2 path under both servers, then the DRF
+# id -> (label, server command, path): the OIP v2 path under both servers, then the DRF
 # prediction API, then two uvicorn workers where about half the requests reach the agent
 # through the Redis channel layer (the agent's socket is held by one of them).
-CASES = [
-    ("uvicorn", "uvicorn", "oip"),
-    ("daphne", "daphne", "oip"),
-    ("uvicorn, DRF prediction API", "uvicorn", "predict"),
-    ("uvicorn, 2 workers (Redis hop)", "uvicorn2", "oip"),
-]
+CASES = {
+    "uvicorn": ("uvicorn", "uvicorn", "oip"),
+    "daphne": ("daphne", "daphne", "oip"),
+    "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict"),
+    "redis-hop": ("uvicorn, 2 workers (Redis hop)", "uvicorn2", "oip"),
+}
 SERVERS = {
     "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
     "--no-access-log --log-level warning",
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--connections", default="1,16,64")
-    parser.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case ids")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "latest.md")
     args = parser.parse_args()
 
@@ -156,10 +156,9 @@ def main() -> None:
         "oip": "/v2/models/fraud-detector/infer",
         "predict": "/api/v1/models/fraud-detector/predict",
     }
-    wanted = args.cases.split(",")
     rows = []
     try:
-        for label, server, kind in (c for c in CASES if c[0] in wanted):
+        for label, server, kind in (CASES[c] for c in args.cases.split(",")):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             env = {**backend.env, "LOG_LEVEL": "WARNING"}

@@ -43,13 +43,20 @@ class PredictResponse(serializers.Serializer):
     outputs = serializers.DictField()
 
 
-async def _admit(authorization, name, version):
+async def predict(authorization: str | None, name: str, version: int | None, read_body) -> dict:
+    """The whole prediction on the server's event loop: one hop from the view's thread."""
     state = get_state()
-    return state, *(await pipeline.admit(state, authorization, name, version))
-
-
-async def _run(state, route, names, arrays, outputs):
-    return await pipeline.run_inference(state, route, names, arrays, outputs)
+    _, route = await pipeline.admit(
+        state, authorization, name, None if version is None else str(version)
+    )
+    names, arrays, outputs = arrays_from_predict_body(read_body(), route)
+    result = await pipeline.run_inference(state, route, names, arrays, outputs)
+    return {
+        "model": route.model_name,
+        "version": route.version,
+        "predictions": result[0][1].tolist(),
+        "outputs": {n: a.tolist() for n, a in result},
+    }
 
 
 class PredictView(APIView):
@@ -65,29 +72,18 @@ class PredictView(APIView):
         description="Bearer API key required. Runs the model behind the `production` alias.",
     )
     def post(self, request, name: str, version: int | None = None):
-        try:
-            state, _, route = async_to_sync(_admit)(
-                request.META.get("HTTP_AUTHORIZATION"),
-                name,
-                None if version is None else str(version),
-            )
+        def read_body():
+            # Parsing an in-memory body: no I/O, safe to run on the event loop.
             try:
-                data = request.data
+                return request.data
             except RequestDataTooBig:
                 raise ApiError(413, "request body is larger than the limit") from None
-            names, arrays, outputs = arrays_from_predict_body(data, route)
-            result = async_to_sync(_run)(state, route, names, arrays, outputs)
+
+        auth = request.META.get("HTTP_AUTHORIZATION")
+        try:
+            return Response(async_to_sync(predict)(auth, name, version, read_body))
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
-        named = {n: a.tolist() for n, a in result}
-        return Response(
-            {
-                "model": route.model_name,
-                "version": route.version,
-                "predictions": result[0][1].tolist(),
-                "outputs": named,
-            }
-        )
 
 
 class ArtifactView(APIView):
