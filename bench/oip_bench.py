@@ -95,20 +95,18 @@ def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float
     return rates[0], rates[1]
 
 
-# id -> (label, server command, path): the OIP v2 path under both servers, then the DRF
-# prediction API, then two uvicorn workers where about half the requests reach the agent
-# through the Redis channel layer (the agent's socket is held by one of them).
+# id -> (label, server, path, hop): the OIP v2 path under both servers, the DRF prediction
+# API, and the Redis hop: a second uvicorn process that holds no agent takes the load, so every
+# request crosses the Redis channel layer to the process holding the agent's socket.
 CASES = {
-    "uvicorn": ("uvicorn", "uvicorn", "oip"),
-    "daphne": ("daphne", "daphne", "oip"),
-    "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict"),
-    "redis-hop": ("uvicorn, 2 workers (Redis hop)", "uvicorn2", "oip"),
+    "uvicorn": ("uvicorn", "uvicorn", "oip", False),
+    "daphne": ("daphne", "daphne", "oip", False),
+    "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict", False),
+    "redis-hop": ("uvicorn, via Redis to another process", "uvicorn", "oip", True),
 }
 SERVERS = {
     "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
     "--no-access-log --log-level warning",
-    "uvicorn2": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
-    "--no-access-log --log-level warning --workers 2",
     "daphne": "-m daphne -b 127.0.0.1 -p {port} -v 0 platform_site.asgi:application",
 }
 
@@ -158,23 +156,31 @@ def main() -> None:
     }
     rows = []
     try:
-        for label, server, kind in (CASES[c] for c in args.cases.split(",")):
+        for label, server, kind, hop in (CASES[c] for c in args.cases.split(",")):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             env = {**backend.env, "LOG_LEVEL": "WARNING"}
             cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=port).split()]
             srv = Proc(server, cmd, env, tmp)
+            servers = [srv]
+            if hop:
+                front_port = free_port()
+                cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=front_port).split()]
+                servers.append(Proc(f"{server}-front", cmd, env, tmp))
             agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {url} --token {token} "
             agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
             agent = Proc("agent", agent_cmd.split(), env, tmp)
             headers = {"Authorization": f"Bearer {key}"}
             ready = f"{url}/v2/models/fraud-detector/ready"
             wait_until(partial(_ok, ready, headers), 60, agent)
-            time.sleep(1.5)  # every worker learns where the agent is (refresh interval 0.5 s)
+            if hop:
+                url = f"http://127.0.0.1:{front_port}"
+                front_ready = f"{url}/v2/models/fraud-detector/ready"
+                wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
             for connections in (int(c) for c in args.connections.split(",")):
                 target = url + paths[kind]
                 run_wrk(target, connections, args.warmup, key, bodies[kind])
-                pids = [srv.popen.pid, agent.popen.pid, redis.pid]
+                pids = [*(p.popen.pid for p in servers), agent.popen.pid, redis.pid]
                 before = sum(cpu_seconds(p) for p in pids)
                 result = run_wrk(target, connections, args.seconds, key, bodies[kind])
                 used = sum(cpu_seconds(p) for p in pids) - before
@@ -192,7 +198,8 @@ def main() -> None:
                 )
                 print(_row(rows[-1]), flush=True)
             agent.stop()
-            srv.stop()
+            for proc in servers:
+                proc.stop()
         single, batched = in_process_onnx(Path(artifact).read_bytes())
     finally:
         backend.close()

@@ -11,15 +11,25 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "platform_site.settings")
 django_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from gateway.oip import oip_app  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
+
+# Static files (the admin's CSS and JS) are served by Django's own ASGI static handler on their
+# own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware
+# forced sync/async hops on every request and stalled the prediction API at 64 clients.
+static_app = ASGIStaticFilesHandler(django_app)
+STATIC_PREFIX = "/" + settings.STATIC_URL.lstrip("/")
 
 
 async def http_app(scope, receive, send):
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/"):
         await oip_app(scope, receive, send)
+    elif path.startswith(STATIC_PREFIX):
+        await static_app(scope, receive, send)
     else:
         await django_app(scope, receive, send)
 

@@ -8,7 +8,6 @@ PORT="${PORT:-8000}"
 PY=.venv/bin/python
 
 $PY manage.py migrate --noinput -v0
-$PY manage.py collectstatic --noinput -v0
 $PY manage.py bootstrap_demo > var/bootstrap.log
 creds=var/demo.json
 get() { $PY -c "import json,sys; print(json.load(open('$creds'))[sys.argv[1]])" "$1"; }

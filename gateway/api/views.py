@@ -6,9 +6,10 @@ servers; it hands the work to the same async pipeline as OIP v2 on the server's 
 
 from __future__ import annotations
 
-from asgiref.sync import async_to_sync
+import inspect
+
 from django.core.exceptions import RequestDataTooBig
-from django.http import FileResponse
+from django.http import FileResponse, HttpResponse
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
@@ -43,27 +44,39 @@ class PredictResponse(serializers.Serializer):
     outputs = serializers.DictField()
 
 
-async def predict(authorization: str | None, name: str, version: int | None, read_body) -> dict:
-    """The whole prediction on the server's event loop: one hop from the view's thread."""
-    state = get_state()
-    _, route = await pipeline.admit(
-        state, authorization, name, None if version is None else str(version)
-    )
-    names, arrays, outputs = arrays_from_predict_body(read_body(), route)
-    result = await pipeline.run_inference(state, route, names, arrays, outputs)
-    return {
-        "model": route.model_name,
-        "version": route.version,
-        "predictions": result[0][1].tolist(),
-        "outputs": {n: a.tolist() for n, a in result},
-    }
+class AsyncPipelineView(APIView):
+    """A DRF view whose handlers are coroutines, run on the server's event loop.
 
-
-class PredictView(APIView):
-    """``POST /api/v1/models/{name}/predict`` (and ``/versions/{v}/predict``)."""
+    The data-path pipeline is async and authenticates from its own in-process cache, so DRF's
+    ``initial()`` (no authenticators, AllowAny, no throttles) does no I/O and runs inline.
+    Measured against a sync DRF view that hands the pipeline to the loop with async_to_sync:
+    see bench/README.md.
+    """
 
     authentication_classes = []  # the pipeline authenticates from its in-process key cache
     permission_classes = [AllowAny]
+
+    async def dispatch(self, request, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+        request = self.initialize_request(request, *args, **kwargs)
+        self.request = request
+        self.headers = self.default_response_headers
+        try:
+            self.initial(request, *args, **kwargs)
+            handler = getattr(self, request.method.lower(), self.http_method_not_allowed)
+            response = handler(request, *args, **kwargs)
+            if inspect.isawaitable(response):
+                response = await response
+        except Exception as exc:
+            response = self.handle_exception(exc)
+        response = self.finalize_response(request, response, *args, **kwargs)
+        # Render here: Django would otherwise render a deferred response in a worker thread.
+        response.render()
+        return HttpResponse(response.content, status=response.status_code, headers=response.headers)
+
+
+class PredictView(AsyncPipelineView):
+    """``POST /api/v1/models/{name}/predict`` (and ``/versions/{v}/predict``)."""
 
     @extend_schema(
         request=PredictRequest,
@@ -71,19 +84,31 @@ class PredictView(APIView):
         examples=[OpenApiExample("named features", value={"instances": [{"amount": 12.5}]})],
         description="Bearer API key required. Runs the model behind the `production` alias.",
     )
-    def post(self, request, name: str, version: int | None = None):
-        def read_body():
-            # Parsing an in-memory body: no I/O, safe to run on the event loop.
+    async def post(self, request, name: str, version: int | None = None):
+        state = get_state()
+        try:
+            _, route = await pipeline.admit(
+                state,
+                request.META.get("HTTP_AUTHORIZATION"),
+                name,
+                None if version is None else str(version),
+            )
             try:
-                return request.data
+                data = request.data  # the body is already in memory: parsing does no I/O
             except RequestDataTooBig:
                 raise ApiError(413, "request body is larger than the limit") from None
-
-        auth = request.META.get("HTTP_AUTHORIZATION")
-        try:
-            return Response(async_to_sync(predict)(auth, name, version, read_body))
+            names, arrays, outputs = arrays_from_predict_body(data, route)
+            result = await pipeline.run_inference(state, route, names, arrays, outputs)
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
+        return Response(
+            {
+                "model": route.model_name,
+                "version": route.version,
+                "predictions": result[0][1].tolist(),
+                "outputs": {n: a.tolist() for n, a in result},
+            }
+        )
 
 
 class ArtifactView(APIView):
