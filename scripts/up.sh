@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT="${PORT:-8000}"
+# honcho hands every process its own $PORT, so the platform's port travels under another name.
+export SWITCHYARD_PORT="$PORT"
 PY=.venv/bin/python
 
 $PY manage.py migrate --noinput -v0
@@ -23,5 +25,4 @@ cat <<MSG
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
 
 MSG
-export PORT
 exec .venv/bin/honcho -f Procfile start

@@ -142,84 +142,41 @@ class Proc:
         self._log.close()
 
 
-def start_server(backend: Backend, kind: str, port: int) -> Proc:
-    if kind == "uvicorn":
-        args = [
-            PY,
-            "-m",
-            "uvicorn",
-            "platform_site.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--no-access-log",
-        ]
-    else:
-        args = [
-            PY,
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "platform_site.asgi:application",
-        ]
+SERVER_ARGS = {
+    "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
+    "--no-access-log",
+    "daphne": "-m daphne -b 127.0.0.1 -p {port} platform_site.asgi:application",
+}
+
+
+def start_server(backend: Backend, kind: str, port: int, *extra: str) -> Proc:
+    """uvicorn or daphne on 127.0.0.1:port; returns once /v2/health/live answers."""
+    args = [PY, *SERVER_ARGS[kind].format(port=port).split(), *extra]
     proc = Proc(kind, args, backend.env, backend.var_dir)
-    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/v2/health/live"), 30, proc)
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}"), 30, proc)
     return proc
 
 
 def start_agent(backend: Backend, base_url: str, token: str, name: str = "agent") -> Proc:
     cache = backend.var_dir / f"cache-{name}"
-    args = [
-        PY,
-        "-m",
-        "serving_agent",
-        "--platform",
-        base_url,
-        "--token",
-        token,
-        "--cache-dir",
-        str(cache),
-    ]
-    return Proc(name, args, backend.env, backend.var_dir)
+    args = [PY, "-m", "serving_agent", "--platform", base_url, "--token", token]
+    return Proc(name, [*args, "--cache-dir", str(cache)], backend.env, backend.var_dir)
 
 
 def start_celery(backend: Backend, what: str) -> Proc:
+    """A Celery worker (solo pool) or beat with its schedule file in the backend's folder."""
+    args = [PY, *"-m celery -A platform_site".split(), what, "--loglevel", "INFO"]
     if what == "worker":
-        args = [
-            PY,
-            "-m",
-            "celery",
-            "-A",
-            "platform_site",
-            "worker",
-            "--pool",
-            "solo",
-            "--loglevel",
-            "INFO",
-        ]
+        args += ["--pool", "solo"]
     else:
-        args = [
-            PY,
-            "-m",
-            "celery",
-            "-A",
-            "platform_site",
-            "beat",
-            "--loglevel",
-            "INFO",
-            "--schedule",
-            str(backend.var_dir / "beat-schedule"),
-        ]
+        args += ["--schedule", str(backend.var_dir / "beat-schedule")]
     return Proc(f"celery-{what}", args, backend.env, backend.var_dir)
 
 
-def _answers(url: str) -> bool:
+def answers(base_url: str) -> bool:
+    """Whether the platform at base_url answers its liveness probe."""
     try:
-        return httpx.get(url, timeout=1).status_code == 200
+        return httpx.get(f"{base_url}/v2/health/live", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
 

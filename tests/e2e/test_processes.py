@@ -3,6 +3,7 @@ the Redis channel layer; a stock Triton client against the OIP v2 endpoints."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 
@@ -10,8 +11,6 @@ from tests.onnx_models import small_onnx
 
 from .conftest import make_backend, upload_and_promote, wait_ready
 from .harness import (
-    PY,
-    Proc,
     create_node,
     create_tenant,
     free_port,
@@ -76,26 +75,10 @@ def test_two_gateway_processes_share_an_agent_through_redis(tmp_path):
     other travel through the Redis channel layer and still get answers."""
     backend = make_backend("services", tmp_path)
     port = free_port()
-    args = [
-        PY,
-        "-m",
-        "uvicorn",
-        "platform_site.asgi:application",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "2",
-        "--no-access-log",
-    ]
-    server = Proc("uvicorn-2w", args, backend.env, backend.var_dir)
+    server = start_server(backend, "uvicorn", port, "--workers", "2")
     url = f"http://127.0.0.1:{port}"
     agent = None
     try:
-        import httpx
-
-        wait_until(lambda: _answers(url), 30, server)
         key = create_tenant(backend, "t")
         agent = start_agent(backend, url, create_node(backend, "n"))
         x = np.random.default_rng(3).normal(size=(1, 4)).astype(np.float32)
@@ -126,19 +109,8 @@ def test_two_gateway_processes_share_an_agent_through_redis(tmp_path):
 
 
 def _ready_on_fresh_connection(url: str, headers: dict) -> bool:
-    import httpx
-
     with httpx.Client(base_url=url, headers=headers, timeout=10) as fresh:
         return fresh.get("/v2/models/clf/ready").status_code == 200
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/v2/health/live", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_stock_triton_client_works_unchanged(tmp_path):
@@ -150,8 +122,6 @@ def test_a_stock_triton_client_works_unchanged(tmp_path):
     server = start_server(backend, "uvicorn", port)
     agent = None
     try:
-        import httpx
-
         key = create_tenant(backend, "t")
         url = f"http://127.0.0.1:{port}"
         agent = start_agent(backend, url, create_node(backend, "n"))
