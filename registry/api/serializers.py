@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from ..models import Alias, Device, Model, ModelVersion, TaskKind
+from ..models import Alias, Device, Model, ModelVersion
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -94,6 +94,3 @@ class AliasSerializer(serializers.Serializer):
             "version": alias.version.version,
             "updated_at": alias.updated_at,
         }
-
-
-TASK_CHOICES = TaskKind.choices
