@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI assets served locally: no CDN on closed networks
     "channels",
     "django_celery_beat",
     "tenants",
@@ -171,6 +172,9 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Switchyard API",
     "DESCRIPTION": "Control plane and prediction API of the Switchyard inference platform.",
     "VERSION": "0.1.0",
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # Data path ---------------------------------------------------------------------------------

@@ -153,3 +153,9 @@ def test_openapi_schema_documents_the_prediction_api(api_a):
     response = api_a.get("/api/schema/", HTTP_ACCEPT="application/json")
     assert response.status_code == 200
     assert "/api/v1/models/{name}/predict" in response.json()["paths"]
+
+
+def test_api_docs_page_serves_its_assets_locally(client, db):
+    page = client.get("/api/docs/").content.decode()
+    assert "/static/drf_spectacular_sidecar/swagger-ui-dist/" in page
+    assert "cdn.jsdelivr" not in page
