@@ -131,3 +131,28 @@ def test_idle_agent_socket_survives_on_the_channel_layer(platform):
         time.sleep(7)
         assert c.post("/v2/models/clf/infer", json=body()).status_code == 200
     assert "disconnected" not in agent.log()
+
+
+def test_a_request_past_its_deadline_gets_504(tmp_path):
+    backend = make_backend("embedded", tmp_path)
+    backend.env["SWITCHYARD_INFER_TIMEOUT_S"] = "0.05"
+    port = free_port()
+    server = start_server(backend, "uvicorn", port)
+    url = f"http://127.0.0.1:{port}"
+    agent = start_agent(backend, url, create_node(backend, "n"))
+    try:
+        key = create_tenant(backend, "t")
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ) as c:
+            upload_and_promote(c, "slow", slow_onnx())
+            wait_ready(c, "slow", timeout=60, proc=agent)
+            start = time.monotonic()
+            response = c.post("/v2/models/slow/infer", json=body(256))
+            assert response.status_code == 504
+            assert "did not answer within 0.05 s" in response.json()["error"]
+            assert time.monotonic() - start < 2
+    finally:
+        agent.stop()
+        server.stop()
+        backend.close()
