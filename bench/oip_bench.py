@@ -103,7 +103,19 @@ CASES = {
     "daphne": ("daphne", "daphne", "oip", False),
     "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict", False),
     "redis-hop": ("uvicorn, via Redis to another process", "uvicorn", "oip", True),
+    "canary": ("uvicorn, canary plan 50/50", "uvicorn", "oip", False),
 }
+# Registers the demo artifact again as version 2 and starts a 50 % canary towards it.
+START_CANARY = """
+from registry.models import Model
+from registry.services import create_version
+from rollouts.actions import Actor, start_plan
+model = Model.objects.get(name="fraud-detector")
+v1 = model.versions.get(version=1)
+v2 = create_version(model, v1.artifact.read(), feature_names=v1.feature_names)
+start_plan(model, "canary", v2, {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5,
+           "min_samples": 100}, Actor(None, "bench"), weight=50)
+"""
 SERVERS = {
     "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
     "--no-access-log --log-level warning",
@@ -157,6 +169,8 @@ def main() -> None:
     rows = []
     try:
         for label, server, kind, hop in (CASES[c] for c in args.cases.split(",")):
+            if label == CASES["canary"][0]:
+                backend.shell(START_CANARY)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             env = {**backend.env, "LOG_LEVEL": "WARNING"}
@@ -173,6 +187,9 @@ def main() -> None:
             headers = {"Authorization": f"Bearer {key}"}
             ready = f"{url}/v2/models/fraud-detector/ready"
             wait_until(partial(_ok, ready, headers), 60, agent)
+            if label == CASES["canary"][0]:
+                v2_ready = f"{url}/v2/models/fraud-detector/versions/2/ready"
+                wait_until(partial(_ok, v2_ready, headers), 60, agent)
             if hop:
                 url = f"http://127.0.0.1:{front_port}"
                 front_ready = f"{url}/v2/models/fraud-detector/ready"

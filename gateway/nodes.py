@@ -5,11 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 from registry.models import ModelVersion
 from registry.services import served_versions
+from rollouts.routing import versions_in_active_plans
 from serving_agent.protocol import ARTIFACT_PATH, Hello, TensorSpec, VersionSpec
 
 from .models import AgentSession, Node
@@ -59,14 +61,25 @@ def version_spec(version: ModelVersion) -> VersionSpec:
     )
 
 
+def assigned_versions(node: Node) -> QuerySet[ModelVersion]:
+    """What a node serves, within its tenant scope: every version an alias points at, and every
+    version an active rollout plan routes or copies to."""
+    in_plans = versions_in_active_plans(node.tenant_id)
+    aliased = served_versions(node.tenant_id).values_list("pk", flat=True)
+    return (
+        ModelVersion.objects.filter(Q(pk__in=list(aliased)) | Q(pk__in=in_plans))
+        .select_related("model")
+        .order_by("pk")
+    )
+
+
 def assignment_for(node: Node) -> list[VersionSpec]:
-    """The versions this node must serve: every aliased version in its tenant scope."""
-    return [version_spec(v) for v in served_versions(node.tenant_id)]
+    return [version_spec(v) for v in assigned_versions(node)]
 
 
 def may_download(node: Node, version_id: int) -> bool:
     """Agents only get artifacts of versions assigned to them."""
-    return served_versions(node.tenant_id).filter(pk=version_id).exists()
+    return assigned_versions(node).filter(pk=version_id).exists()
 
 
 def open_session(node: Node, channel_name: str, hello: Hello) -> AgentSession:

@@ -30,18 +30,21 @@ SERVER_METADATA = orjson.dumps(
 
 async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
     state = get_state()
+    after = []  # work that runs once the reply is sent (shadow copies)
     try:
-        status, body, headers = await _handle(state, scope, receive)
+        status, body, headers = await _handle(state, scope, receive, after)
     except ApiError as exc:
         status, body, headers = exc.status, _error(exc.message), exc.headers
     except Exception:
         log.exception("unhandled error on %s %s", scope["method"], scope["path"])
         status, body, headers = 500, _error("internal server error"), []
     await _respond(send, status, body, headers)
+    for coro in after:
+        pipeline.in_background(coro)
 
 
 async def _handle(
-    state: GatewayState, scope: Scope, receive: Receive
+    state: GatewayState, scope: Scope, receive: Receive, after: list
 ) -> tuple[int, bytes, list[tuple[str, str]]]:
     method = scope["method"]
     parts = scope["path"].rstrip("/").split("/")[1:]  # "/v2/models/x/infer" -> [v2, models, ..]
@@ -64,7 +67,7 @@ async def _handle(
     authorization = _header(scope, b"authorization")
     if rest == ["infer"]:
         _allow(method, "POST")
-        return await _infer(state, scope, receive, authorization, name, version)
+        return await _infer(state, scope, receive, authorization, name, version, after)
     if rest == []:
         _allow(method, "GET")
         _, route = await pipeline.admit(state, authorization, name, version)
@@ -77,15 +80,29 @@ async def _handle(
     raise ApiError(404, f"no such endpoint: {scope['path']}")
 
 
-async def _infer(state, scope, receive, authorization, name, version):
-    _, route = await pipeline.admit(state, authorization, name, version)
+async def _infer(state, scope, receive, authorization, name, version, after):
+    identity, route = await pipeline.admit(state, authorization, name, version)
     body = await _read_body(scope, receive, state.max_body)
     header_length = _header(scope, b"inference-header-content-length")
     parsed = parse_infer(body, header_length, route)
-    outputs = await pipeline.run_inference(
-        state, route, parsed.names, parsed.arrays, parsed.outputs
+    routed = await pipeline.route_request(
+        state,
+        identity,
+        route,
+        version is not None,
+        lambda h: _header(scope, h.encode()),
+        parsed.id,
     )
-    payload, headers = render_infer(route, parsed.id, outputs, parsed.binary_outputs)
+    outputs = await pipeline.run_inference(
+        state, routed.route, parsed.names, parsed.arrays, parsed.outputs
+    )
+    payload, headers = render_infer(
+        routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
+    )
+    if routed.shadow_version_id is not None:
+        after.append(
+            pipeline.shadow_copy(state, identity, routed, parsed.names, parsed.arrays, outputs)
+        )
     return 200, payload, headers
 
 

@@ -171,7 +171,11 @@ def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]
 
 
 def render_infer(
-    route: Route, request_id: str | None, outputs: list[tuple[str, np.ndarray]], binary: set[str]
+    route: Route,
+    request_id: str | None,
+    outputs: list[tuple[str, np.ndarray]],
+    binary: set[str],
+    arm: str | None = None,
 ) -> tuple[bytes, list[tuple[str, str]]]:
     """The response body and its extra headers (binary outputs follow the JSON header)."""
     tensors = []
@@ -192,10 +196,15 @@ def render_infer(
     doc = {"model_name": route.model_name, "model_version": str(route.version), "outputs": tensors}
     if request_id is not None:
         doc["id"] = request_id
+    extra = []
+    if arm is not None:  # a rollout plan chose the version: say which arm answered
+        doc["parameters"] = {"arm": arm}
+        extra.append(("x-switchyard-arm", arm))
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
-        return head, [("content-type", "application/json")]
+        return head, [("content-type", "application/json"), *extra]
     return b"".join([head, *blobs]), [
         ("content-type", "application/octet-stream"),
         ("inference-header-content-length", str(len(head))),
+        *extra,
     ]

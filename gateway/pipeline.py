@@ -4,6 +4,10 @@ dispatch. Each step raises ``ApiError`` with the status and a message that names
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +20,8 @@ from tenants.ratelimit import retry_after_header
 from .dispatch import DispatchError
 from .routes import InputSpec, Route, RouteMissing
 from .state import GatewayState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,3 +127,83 @@ async def run_inference(
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
     return [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
+
+
+_background: set[asyncio.Task] = set()
+
+
+def in_background(coro: Coroutine) -> None:
+    """Run work after the reply (shadow copies), keeping a reference until it ends."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+@dataclass
+class Routed:
+    """Which version answers a request, and where (if anywhere) a shadow copy goes."""
+
+    route: Route
+    arm: str | None = None
+    plan_id: int | None = None
+    shadow_version_id: int | None = None
+
+
+async def route_request(
+    state: GatewayState,
+    identity: KeyIdentity,
+    route: Route,
+    explicit_version: bool,
+    header: Callable[[str], str | None],
+    request_id: str | None,
+) -> Routed:
+    """Apply the model's active rollout plan, if any: a sticky arm from the routing key (the
+    plan's header, else the request id, else random) and the sampled shadow copy."""
+    if explicit_version:
+        return Routed(route)
+    split = await state.split(identity.tenant_id, route.model_name)
+    if split is None:
+        return Routed(route)
+    key = header(split.routing_header) or request_id or uuid.uuid4().hex
+    arm = split.choose(key)
+    if arm.version_id != route.version_id:
+        try:
+            route = await state.version_route(identity.tenant_id, arm.version_id)
+        except RouteMissing as exc:
+            raise ApiError(404, str(exc)) from None
+    return Routed(route, arm.name, split.plan_id, split.shadow_for(key))
+
+
+async def shadow_copy(
+    state: GatewayState,
+    identity: KeyIdentity,
+    routed: Routed,
+    names: list[str],
+    arrays: list[np.ndarray],
+    answer: list[tuple[str, np.ndarray]],
+) -> None:
+    """Run the shadow version on the same input after the reply; compare, never return.
+
+    Not rate-limited: shadows never count against the tenant's quota.
+    """
+    stats = state.shadow_stats.setdefault(routed.plan_id, [0, 0, 0])
+    try:
+        route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
+        result = await run_inference(state, route, names, arrays)
+    except (ApiError, RouteMissing) as exc:
+        stats[2] += 1
+        log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
+        return
+    stats[0] += 1
+    if _agree(answer[0][1], result[0][1]):
+        stats[1] += 1
+    log.debug("shadow plan %s: %s answered, %s agreed", routed.plan_id, stats[0], stats[1])
+
+
+def _agree(baseline: np.ndarray, shadow: np.ndarray) -> bool:
+    """Same class for 2-D scores (classifiers), else numerically close."""
+    if baseline.shape != shadow.shape:
+        return False
+    if baseline.ndim == 2 and baseline.shape[1] > 1:
+        return bool((baseline.argmax(1) == shadow.argmax(1)).all())
+    return bool(np.allclose(baseline, shadow, rtol=1e-3, atol=1e-5))

@@ -82,3 +82,14 @@ def resolve_route(tenant_id: int, model_name: str, version: int | None) -> Route
     if alias is None:
         raise RouteMissing(f"model {model_name!r} has no {DEFAULT_ALIAS!r} version yet")
     return route_of(alias.version)
+
+
+def resolve_version_id(tenant_id: int, version_id: int) -> Route:
+    """The route of one version by id (an arm of a rollout plan), within the tenant."""
+    try:
+        version = ModelVersion.objects.select_related("model").get(
+            pk=version_id, model__tenant_id=tenant_id
+        )
+    except ModelVersion.DoesNotExist:
+        raise RouteMissing(f"version id {version_id} not found") from None
+    return route_of(version)

@@ -19,13 +19,14 @@ from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
+from rollouts.routing import Split, active_split
 from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 
 from . import nodes
 from .changes import read_generation
 from .dispatch import AgentPool
-from .routes import Route, RouteMissing, resolve_route
+from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class GatewayState:
         self._interval = cfg["REFRESH_INTERVAL_S"]
         self._keys: dict[str, KeyIdentity | None] = {}
         self._routes: dict[tuple[int, str, int | None], Route | str] = {}
+        self._splits: dict[tuple[int, str], Split | None] = {}
+        self._by_id: dict[int, Route] = {}
+        # Shadow comparisons per plan: [copies answered, agreeing with the baseline, failed].
+        self.shadow_stats: dict[int, list[int]] = {}
         self._generation: int | None = None
         self._key_use: dict[int, datetime] = {}
         self._last_flush = time.monotonic()
@@ -79,6 +84,24 @@ class GatewayState:
             raise RouteMissing(found)
         return found
 
+    async def split(self, tenant_id: int, model_name: str) -> Split | None:
+        """The active rollout split of a model's production alias, if any (cached)."""
+        key = (tenant_id, model_name)
+        try:
+            return self._splits[key]
+        except KeyError:
+            found = await database_sync_to_async(active_split)(tenant_id, model_name, DEFAULT_ALIAS)
+            self._remember(self._splits, key, found)
+            return found
+
+    async def version_route(self, tenant_id: int, version_id: int) -> Route:
+        try:
+            return self._by_id[version_id]
+        except KeyError:
+            found = await database_sync_to_async(resolve_version_id)(tenant_id, version_id)
+            self._remember(self._by_id, version_id, found)
+            return found
+
     @staticmethod
     def _remember(cache: dict, key: object, value: object) -> None:
         if len(cache) >= MAX_CACHED:
@@ -88,6 +111,8 @@ class GatewayState:
     def clear_caches(self) -> None:
         self._keys.clear()
         self._routes.clear()
+        self._splits.clear()
+        self._by_id.clear()
 
     # Background refresh ------------------------------------------------------------------------
     def start(self) -> None:

@@ -22,6 +22,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("gateway.api.urls")),
     path("api/v1/", include("registry.api.urls")),
+    path("api/v1/", include("rollouts.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("", include("gateway.web_urls")),

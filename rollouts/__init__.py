@@ -1,1 +1,1 @@
-"""Rollout plans, approvals and guardrails (canary, shadow, A/B): not built yet."""
+"""Rollout plans (canary, shadow, A/B), sticky traffic routing and the audit log."""

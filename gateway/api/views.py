@@ -87,7 +87,7 @@ class PredictView(AsyncPipelineView):
     async def post(self, request, name: str, version: int | None = None):
         state = get_state()
         try:
-            _, route = await pipeline.admit(
+            identity, route = await pipeline.admit(
                 state,
                 request.META.get("HTTP_AUTHORIZATION"),
                 name,
@@ -98,17 +98,25 @@ class PredictView(AsyncPipelineView):
             except RequestDataTooBig:
                 raise ApiError(413, "request body is larger than the limit") from None
             names, arrays, outputs = arrays_from_predict_body(data, route)
-            result = await pipeline.run_inference(state, route, names, arrays, outputs)
+            routed = await pipeline.route_request(
+                state, identity, route, version is not None, request.headers.get, None
+            )
+            result = await pipeline.run_inference(state, routed.route, names, arrays, outputs)
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
-        return Response(
-            {
-                "model": route.model_name,
-                "version": route.version,
-                "predictions": result[0][1].tolist(),
-                "outputs": {n: a.tolist() for n, a in result},
-            }
-        )
+        if routed.shadow_version_id is not None:
+            pipeline.in_background(
+                pipeline.shadow_copy(state, identity, routed, names, arrays, result)
+            )
+        body = {
+            "model": routed.route.model_name,
+            "version": routed.route.version,
+            "predictions": result[0][1].tolist(),
+            "outputs": {n: a.tolist() for n, a in result},
+        }
+        if routed.arm is not None:
+            body["arm"] = routed.arm
+        return Response(body)
 
 
 class ArtifactView(APIView):

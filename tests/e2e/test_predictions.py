@@ -7,6 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from .harness import wait_until
+
 pytestmark = pytest.mark.e2e
 
 
@@ -155,3 +157,43 @@ def test_unknown_routes_and_methods_are_clear(stack):
         assert client.get("/v2/models/clf/infer").status_code == 405
         assert client.get("/v2/nothing").status_code == 404
         assert client.post("/v2/models/clf/versions/abc/infer", json={}).status_code == 400
+
+
+def test_canary_plan_splits_traffic_stickily_and_the_kill_switch_restores_baseline(stack, rng):
+    """Runs last in this module: it adds version 2 and a plan, and kills the plan at the end."""
+    from tests.onnx_models import small_onnx
+
+    candidate = small_onnx(seed=5)
+    x = rng.normal(size=(1, 4)).astype(np.float32)
+    want = {"1": expected(stack.artifact, x), "2": expected(candidate, x)}
+    guardrails = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 100}
+    with stack.client() as client:
+        files = {"artifact": ("v2.onnx", candidate, "application/octet-stream")}
+        assert client.post("/api/v1/models/clf/versions", files=files).status_code == 201
+        plan = client.post(
+            "/api/v1/models/clf/rollouts",
+            json={"mode": "canary", "candidate": 2, "weight": 50, "guardrails": guardrails},
+        )
+        assert plan.status_code == 201, plan.text
+
+        def answer(user: str) -> tuple[str, str]:
+            r = client.post("/v2/models/clf/infer", json=oip_body(x), headers={"X-User-Id": user})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            got = np.array(body["outputs"][0]["data"], np.float32).reshape(1, 2)
+            np.testing.assert_allclose(got, want[body["model_version"]], rtol=1e-5, atol=1e-6)
+            arm = body.get("parameters", {}).get("arm")  # present while a plan routes
+            assert r.headers.get("x-switchyard-arm") == arm
+            return body["model_version"], arm
+
+        # Agents load the candidate once the plan assigns it to them.
+        wait_until(lambda: client.get("/v2/models/clf/versions/2/ready").status_code == 200, 30)
+        first = {f"user-{i}": answer(f"user-{i}") for i in range(200)}
+        assert {v for v, _ in first.values()} == {"1", "2"}
+        assert all(answer(user) == seen for user, seen in list(first.items())[:40])
+        share = sum(v == "2" for v, _ in first.values()) / len(first)
+        assert 0.35 < share < 0.65
+
+        killed = client.post(f"/api/v1/rollouts/{plan.json()['id']}/kill", json={"reason": "test"})
+        assert killed.status_code == 200
+        wait_until(lambda: all(answer(f"user-{i}")[0] == "1" for i in range(20)), 5)

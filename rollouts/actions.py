@@ -1,0 +1,156 @@
+"""Rollout actions: validate, change state under a row lock, and write the audit event in the
+same transaction. Views and tasks call these and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from registry.models import Model, ModelVersion
+
+from .models import AuditEvent, PlanArm, PlanMode, PlanState, RolloutPlan
+
+GUARDRAIL_KEYS = {"max_error_rate_increase", "max_p99_ratio", "min_samples"}
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who acts: a signed-in user, or an API key (no user)."""
+
+    user_id: int | None
+    label: str
+
+
+def audit(
+    tenant_id: int,
+    actor: Actor,
+    action: str,
+    target: str,
+    before=None,
+    after=None,
+    reason: str = "",
+) -> AuditEvent:
+    return AuditEvent.objects.create(
+        tenant_id=tenant_id,
+        actor_id=actor.user_id,
+        actor_label=actor.label,
+        action=action,
+        target=target,
+        before=before or {},
+        after=after or {},
+        reason=reason,
+    )
+
+
+def check_guardrails(guardrails: Any) -> dict:
+    """A plan cannot start without guardrails: each threshold present and sensible."""
+    if not isinstance(guardrails, dict) or set(guardrails) != GUARDRAIL_KEYS:
+        raise ValidationError(
+            {"guardrails": f"a plan needs guardrails with exactly {sorted(GUARDRAIL_KEYS)}"}
+        )
+    for key in GUARDRAIL_KEYS:
+        value = guardrails[key]
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ValidationError({"guardrails": f"{key} must be a positive number"})
+    return guardrails
+
+
+def start_plan(
+    model: Model,
+    mode: str,
+    candidate: ModelVersion,
+    guardrails: Any,
+    actor: Actor,
+    *,
+    alias: str = "production",
+    weight: float = 0.0,
+    arms: list[tuple[str, ModelVersion, float]] | None = None,
+    **options: Any,
+) -> RolloutPlan:
+    """Start a plan from the version the alias points at now (the baseline)."""
+    check_guardrails(guardrails)
+    current = model.aliases.select_related("version").filter(name=alias).first()
+    if current is None:
+        raise ValidationError({"alias": f"model {model.name!r} has no {alias!r} alias to move"})
+    if candidate.model_id != model.pk or candidate.pk == current.version_id:
+        raise ValidationError({"candidate": "must be another version of this model"})
+    if candidate.inputs != current.version.inputs:
+        raise ValidationError({"candidate": "its input signature differs from the baseline's"})
+    if mode == PlanMode.AB and not arms:
+        raise ValidationError({"arms": "an A/B plan needs arms"})
+    plan = RolloutPlan(
+        model=model,
+        alias=alias,
+        mode=mode,
+        baseline=current.version,
+        candidate=candidate,
+        weight=weight,
+        guardrails=guardrails,
+        created_by_id=actor.user_id,
+        **options,
+    )
+    plan.full_clean(validate_constraints=False)
+    try:
+        with transaction.atomic():
+            plan.save()
+            for name, version, share in arms or []:
+                PlanArm.objects.create(plan=plan, name=name, version=version, weight=share)
+            audit(model.tenant_id, actor, "plan.start", str(plan), after=_state(plan))
+    except IntegrityError:
+        raise ValidationError({"alias": "this alias already has an active rollout plan"}) from None
+    return plan
+
+
+def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "") -> RolloutPlan:
+    """Move a canary's candidate share; takes effect at the gateways within a second."""
+    if not 0 <= weight <= 100:
+        raise ValidationError({"weight": "must be between 0 and 100"})
+    with transaction.atomic():
+        # Row lock: a weight change racing a rollback ends in one consistent state.
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if locked.mode != PlanMode.CANARY:
+            raise ValidationError({"weight": "only canary plans have a single weight"})
+        if not locked.is_active:
+            raise ValidationError({"state": f"the plan is {locked.state}"})
+        before = _state(locked)
+        locked.weight = weight
+        locked.save(update_fields=["weight", "updated_at"])
+        audit(
+            locked.model.tenant_id,
+            actor,
+            "plan.weight",
+            str(locked),
+            before,
+            _state(locked),
+            reason,
+        )
+    return locked
+
+
+def kill(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
+    """The kill switch: all traffic back to the baseline (last known good) at once."""
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if not locked.is_active:
+            raise ValidationError({"state": f"the plan is already {locked.state}"})
+        before = _state(locked)
+        locked.state = PlanState.ROLLED_BACK
+        locked.weight = 0.0
+        locked.save(update_fields=["state", "weight", "updated_at"])
+        audit(
+            locked.model.tenant_id, actor, "plan.kill", str(locked), before, _state(locked), reason
+        )
+    return locked
+
+
+def _state(plan: RolloutPlan) -> dict:
+    return {
+        "state": plan.state,
+        "weight": plan.weight,
+        "mode": plan.mode,
+        "baseline": plan.baseline.version,
+        "candidate": plan.candidate.version,
+    }

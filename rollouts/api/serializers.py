@@ -1,0 +1,77 @@
+"""DRF serializers for rollout plans and audit events."""
+
+from rest_framework import serializers
+
+from ..models import AuditEvent, PlanMode, RolloutPlan
+
+
+class PlanSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    baseline = serializers.IntegerField(source="baseline.version", read_only=True)
+    candidate = serializers.IntegerField(source="candidate.version", read_only=True)
+    arms = serializers.SerializerMethodField()
+
+    class Meta:
+        model = RolloutPlan
+        fields = [
+            "id",
+            "model",
+            "alias",
+            "mode",
+            "state",
+            "baseline",
+            "candidate",
+            "weight",
+            "steps",
+            "bake_seconds",
+            "shadow_sample",
+            "routing_header",
+            "guardrails",
+            "arms",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_arms(self, plan: RolloutPlan) -> list[dict]:
+        return [
+            {"name": a.name, "version": a.version.version, "weight": a.weight}
+            for a in plan.arms.select_related("version")
+        ]
+
+
+class ArmInput(serializers.Serializer):
+    name = serializers.CharField(max_length=50)
+    version = serializers.IntegerField(min_value=1)
+    weight = serializers.FloatField(min_value=0, max_value=100)
+
+
+class PlanCreateSerializer(serializers.Serializer):
+    mode = serializers.ChoiceField(choices=PlanMode.choices)
+    candidate = serializers.IntegerField(min_value=1, help_text="version number")
+    alias = serializers.CharField(max_length=50, default="production")
+    weight = serializers.FloatField(min_value=0, max_value=100, default=0)
+    steps = serializers.ListField(
+        child=serializers.FloatField(min_value=0, max_value=100), required=False
+    )
+    bake_seconds = serializers.IntegerField(min_value=0, required=False)
+    shadow_sample = serializers.FloatField(min_value=0, max_value=1, required=False)
+    routing_header = serializers.CharField(max_length=100, required=False)
+    guardrails = serializers.JSONField()
+    arms = ArmInput(many=True, required=False)
+
+
+class WeightSerializer(serializers.Serializer):
+    weight = serializers.FloatField(min_value=0, max_value=100)
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class ReasonSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class AuditSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = ["created_at", "actor_label", "action", "target", "before", "after", "reason"]
+        read_only_fields = fields

@@ -1,0 +1,135 @@
+"""Rollout plans that move an alias's traffic between versions, and the append-only audit log."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+
+class PlanMode(models.TextChoices):
+    CANARY = "canary", "Canary"
+    SHADOW = "shadow", "Shadow"
+    AB = "ab", "A/B"
+
+
+class PlanState(models.TextChoices):
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    PROMOTED = "promoted", "Promoted"
+    ROLLED_BACK = "rolled_back", "Rolled back"
+
+
+ACTIVE_STATES = (PlanState.RUNNING, PlanState.PAUSED)
+
+
+def default_steps() -> list[float]:
+    return [1, 5, 25, 50, 100]
+
+
+class RolloutPlan(models.Model):
+    """Moves one alias of one model from ``baseline`` towards ``candidate``.
+
+    Canary: the candidate gets ``weight`` percent of traffic. Shadow: the baseline answers and
+    a ``shadow_sample`` share of requests is copied to the candidate after the reply. A/B: the
+    plan's arms carry the weights. Assignment is sticky per routing key.
+    """
+
+    model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="plans")
+    alias = models.CharField(max_length=50, default="production")
+    mode = models.CharField(max_length=10, choices=PlanMode.choices)
+    state = models.CharField(max_length=12, choices=PlanState.choices, default=PlanState.RUNNING)
+    baseline = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="+"
+    )
+    candidate = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="+"
+    )
+    weight = models.FloatField(
+        default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
+    )
+    steps = models.JSONField(default=default_steps)
+    bake_seconds = models.PositiveIntegerField(default=300)
+    shadow_sample = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)]
+    )
+    routing_header = models.CharField(max_length=100, default="x-user-id")
+    guardrails = models.JSONField()
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "alias"],
+                condition=Q(state__in=["running", "paused"]),
+                name="one_active_plan_per_alias",
+                violation_error_message="This alias already has an active rollout plan.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        versions = f"v{self.baseline.version}→v{self.candidate.version}"
+        return f"{self.model}@{self.alias}: {self.mode} {versions}"
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+class PlanArm(models.Model):
+    """One arm of an A/B plan: a version and its share of traffic."""
+
+    plan = models.ForeignKey(RolloutPlan, on_delete=models.CASCADE, related_name="arms")
+    name = models.CharField(max_length=50)
+    version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    weight = models.FloatField(validators=[MinValueValidator(0.0), MaxValueValidator(100.0)])
+
+    class Meta:
+        ordering = ["plan", "name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["plan", "name"],
+                name="arm_name_unique_per_plan",
+                violation_error_message="This plan already has an arm with this name.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}: v{self.version.version} ({self.weight:g}%)"
+
+
+class AuditEvent(models.Model):
+    """An append-only record of a state change: who, what, before, after, why."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="audit")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    actor_label = models.CharField(max_length=150)
+    action = models.CharField(max_length=50)
+    target = models.CharField(max_length=200)
+    before = models.JSONField(default=dict, blank=True)
+    after = models.JSONField(default=dict, blank=True)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target}"
+
+    def save(self, *args, **kwargs) -> None:
+        if self.pk is not None:
+            raise ValidationError("Audit events are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise ValidationError("Audit events are append-only.")
