@@ -61,3 +61,25 @@ class ConfigGeneration(models.Model):
 
     def __str__(self) -> str:
         return f"generation {self.value}"
+
+
+class TrafficSample(models.Model):
+    """What one gateway process saw of one version over one flush interval.
+
+    Guardrails compare arms by summing these rows over a window: request and error counts and a
+    latency histogram (bucket upper bounds in ``gateway.traffic.LATENCY_BOUNDS_MS``).
+    """
+
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="traffic"
+    )
+    window_end = models.DateTimeField(db_index=True)
+    requests = models.PositiveIntegerField()
+    errors = models.PositiveIntegerField()
+    latency_buckets = models.JSONField()
+
+    class Meta:
+        ordering = ["-window_end"]
+
+    def __str__(self) -> str:
+        return f"v{self.version_id} @ {self.window_end:%H:%M:%S}: {self.requests} req"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -113,14 +114,21 @@ async def run_inference(
     arrays: list[np.ndarray],
     outputs: list[str] | None = None,
 ) -> list[tuple[str, np.ndarray]]:
-    """Dispatch to an agent and return (name, array) per output, in the agent's order."""
+    """Dispatch to an agent and return (name, array) per output, in the agent's order.
+
+    Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
+    """
+    started = time.perf_counter()
     try:
         reply, result = await state.pool.infer(
             route.version_id, names, arrays, outputs, state.infer_timeout
         )
     except DispatchError as exc:
+        state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
         retry = [("Retry-After", str(exc.retry_after))] if exc.retry_after else []
         raise ApiError(exc.status, exc.message, retry) from None
+    ok = not isinstance(reply, InferError) or reply.code == "bad_input"
+    state.traffic.record(route.version_id, time.perf_counter() - started, ok)
     if isinstance(reply, InferError):
         status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(reply.code, 500)
         retry = [("Retry-After", "1")] if status == 503 else []

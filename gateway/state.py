@@ -27,11 +27,12 @@ from . import nodes
 from .changes import read_generation
 from .dispatch import AgentPool
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
+from .traffic import TrafficCounter, save_samples
 
 log = logging.getLogger(__name__)
 
 MAX_CACHED = 10_000  # bound for caches keyed by caller input (unknown keys, model names)
-KEY_USE_FLUSH_S = 5.0
+FLUSH_S = 5.0  # key last-used times and traffic samples are written this often
 
 
 class GatewayState:
@@ -50,6 +51,7 @@ class GatewayState:
         self._routes: dict[tuple[int, str, int | None], Route | str] = {}
         self._splits: dict[tuple[int, str], Split | None] = {}
         self._by_id: dict[int, Route] = {}
+        self.traffic = TrafficCounter()
         # Shadow comparisons per plan: [copies answered, agreeing with the baseline, failed].
         self.shadow_stats: dict[int, list[int]] = {}
         self._generation: int | None = None
@@ -137,10 +139,14 @@ class GatewayState:
                 for consumer in list(self.agent_consumers):
                     await consumer.push_assignment()
         await self._refresh_remote_agents()
-        if self._key_use and time.monotonic() - self._last_flush > KEY_USE_FLUSH_S:
-            used, self._key_use = self._key_use, {}
+        if time.monotonic() - self._last_flush > FLUSH_S:
             self._last_flush = time.monotonic()
-            await database_sync_to_async(record_key_use)(used)
+            used, self._key_use = self._key_use, {}
+            if used:
+                await database_sync_to_async(record_key_use)(used)
+            counts = self.traffic.drain()
+            if counts:
+                await database_sync_to_async(save_samples)(counts)
 
     async def _refresh_remote_agents(self) -> None:
         layer = get_channel_layer()

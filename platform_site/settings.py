@@ -139,6 +139,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "gateway.tasks.mark_stale_agents_offline",
         "schedule": 15.0,
     },
+    "evaluate-rollouts": {
+        "task": "rollouts.tasks.evaluate_rollouts",
+        "schedule": float(env("SWITCHYARD_GUARDRAIL_INTERVAL_S", "5")),
+    },
 }
 
 # Auth and i18n -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from registry.models import Model, ModelVersion
 
@@ -117,7 +118,9 @@ def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "")
             raise ValidationError({"state": f"the plan is {locked.state}"})
         before = _state(locked)
         locked.weight = weight
-        locked.save(update_fields=["weight", "updated_at"])
+        locked.step_started_at = timezone.now()  # the new step bakes and is judged from here
+        locked.status_note = reason
+        locked.save(update_fields=["weight", "step_started_at", "status_note", "updated_at"])
         audit(
             locked.model.tenant_id,
             actor,
@@ -132,16 +135,53 @@ def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "")
 
 def kill(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
     """The kill switch: all traffic back to the baseline (last known good) at once."""
+    return _end(plan, actor, reason, "plan.kill")
+
+
+def rollback(plan: RolloutPlan, actor: Actor, reason: str) -> RolloutPlan:
+    """A guardrail breach: the same as the kill switch, recorded as a rollback."""
+    return _end(plan, actor, reason, "plan.rollback")
+
+
+def _end(plan: RolloutPlan, actor: Actor, reason: str, action: str) -> RolloutPlan:
     with transaction.atomic():
+        # Row lock: a rollback racing a weight change or another rollback ends in one state.
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if not locked.is_active:
             raise ValidationError({"state": f"the plan is already {locked.state}"})
         before = _state(locked)
         locked.state = PlanState.ROLLED_BACK
         locked.weight = 0.0
-        locked.save(update_fields=["state", "weight", "updated_at"])
+        locked.status_note = reason
+        locked.save(update_fields=["state", "weight", "status_note", "updated_at"])
+        audit(locked.model.tenant_id, actor, action, str(locked), before, _state(locked), reason)
+    return locked
+
+
+def promote(plan: RolloutPlan, actor: Actor, reason: str) -> RolloutPlan:
+    """The candidate is healthy at 100 %: point the alias at it and close the plan.
+
+    Approval before promotion (an approver other than the requester) is not built yet.
+    """
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if locked.state != PlanState.RUNNING:
+            raise ValidationError({"state": f"the plan is {locked.state}"})
+        before = _state(locked)
+        alias = locked.model.aliases.select_for_update().get(name=locked.alias)
+        alias.version = locked.candidate
+        alias.save()
+        locked.state = PlanState.PROMOTED
+        locked.status_note = reason
+        locked.save(update_fields=["state", "status_note", "updated_at"])
         audit(
-            locked.model.tenant_id, actor, "plan.kill", str(locked), before, _state(locked), reason
+            locked.model.tenant_id,
+            actor,
+            "plan.promote",
+            str(locked),
+            before,
+            _state(locked),
+            reason,
         )
     return locked
 

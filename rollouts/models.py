@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 
 class PlanMode(models.TextChoices):
@@ -57,6 +58,10 @@ class RolloutPlan(models.Model):
     )
     routing_header = models.CharField(max_length=100, default="x-user-id")
     guardrails = models.JSONField()
+    # When the current weight took effect: guardrails compare arms from here, and bake from here.
+    step_started_at = models.DateTimeField(default=timezone.now)
+    # The guardrails' last word, shown in the UI and API ("waiting for data: 12/200 samples").
+    status_note = models.CharField(max_length=300, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )

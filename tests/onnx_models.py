@@ -36,12 +36,21 @@ def small_onnx(n_in: int = 4, n_out: int = 2, seed: int = 0) -> bytes:
 
 
 def slow_onnx(width: int = 1024, depth: int = 24) -> bytes:
-    """A model slow enough (tens of ms per batch) that a request is surely in flight."""
+    """A model slow enough (about 1 ms per row per 4 layers here) that a request is surely in
+    flight; one hidden layer reused ``depth`` times keeps the file small (~4 MB)."""
     import torch
 
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return _export(
-        torch.nn.Sequential(torch.nn.Linear(4, width), *layers, torch.nn.Linear(width, 2)), 4
-    )
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(4, width)
+            self.hidden = torch.nn.Linear(width, width)
+            self.out = torch.nn.Linear(width, 2)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for _ in range(depth):
+                h = torch.tanh(self.hidden(h))
+            return self.out(h)
+
+    return _export(Slow(), 4)

@@ -148,7 +148,7 @@ def test_a_request_past_its_deadline_gets_504(tmp_path):
             upload_and_promote(c, "slow", slow_onnx())
             wait_ready(c, "slow", timeout=60, proc=agent)
             start = time.monotonic()
-            response = c.post("/v2/models/slow/infer", json=body(256))
+            response = c.post("/v2/models/slow/infer", json=body(1024))
             assert response.status_code == 504
             assert "did not answer within 0.05 s" in response.json()["error"]
             assert time.monotonic() - start < 2

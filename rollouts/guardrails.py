@@ -1,0 +1,118 @@
+"""Guardrails: compare a canary's candidate with its baseline over the current step, then
+advance, hold, promote or roll back.
+
+The comparison stays honest at low traffic: nothing moves until both arms have ``min_samples``
+requests ("waiting for data"), and the error check is a one-sided two-proportion z-test of
+"candidate error rate exceeds baseline's by more than the allowed increase", so noise on a few
+requests neither rolls back a good candidate nor promotes a bad one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import Sum
+from django.utils import timezone
+
+from gateway.models import TrafficSample
+from gateway.traffic import LATENCY_BOUNDS_MS, percentile_ms
+
+from .models import PlanMode, PlanState, RolloutPlan
+
+Z_CRITICAL = 2.326  # one-sided, 1 % false-alarm rate
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    requests: int
+    errors: int
+    buckets: tuple[int, ...]
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile_ms(list(self.buckets), 0.99)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "wait", "hold", "advance", "promote" or "rollback"
+    reason: str
+
+
+def error_increase_z(base: ArmStats, cand: ArmStats, allowed: float) -> float:
+    """z of H1: p_candidate - p_baseline > allowed (pooled two-proportion test)."""
+    pooled = (base.errors + cand.errors) / (base.requests + cand.requests)
+    spread = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / base.requests + 1 / cand.requests))
+    return (cand.error_rate - base.error_rate - allowed) / spread
+
+
+def judge(
+    guardrails: dict, base: ArmStats, cand: ArmStats, baked: bool, last_step: bool
+) -> Verdict:
+    """The decision for one evaluation, from the two arms' numbers alone."""
+    need = int(guardrails["min_samples"])
+    if base.requests < need or cand.requests < need:
+        return Verdict(
+            "wait",
+            f"waiting for data: baseline {base.requests}/{need}, "
+            f"candidate {cand.requests}/{need} requests",
+        )
+    z = error_increase_z(base, cand, guardrails["max_error_rate_increase"])
+    if z > Z_CRITICAL:
+        return Verdict(
+            "rollback",
+            f"error rate {cand.error_rate:.2%} vs baseline {base.error_rate:.2%} (z={z:.1f})",
+        )
+    ratio = cand.p99_ms / max(base.p99_ms, LATENCY_BOUNDS_MS[0])
+    if ratio > guardrails["max_p99_ratio"]:
+        return Verdict(
+            "rollback", f"p99 {cand.p99_ms:g} ms is {ratio:.1f}x the baseline's {base.p99_ms:g} ms"
+        )
+    if not baked:
+        return Verdict("hold", "healthy, baking")
+    return Verdict("promote" if last_step else "advance", "healthy past its bake time")
+
+
+def arm_stats(version_id: int, since: datetime) -> ArmStats:
+    rows = TrafficSample.objects.filter(version_id=version_id, window_end__gte=since)
+    totals = rows.aggregate(requests=Sum("requests"), errors=Sum("errors"))
+    buckets = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+    for sample in rows.values_list("latency_buckets", flat=True):
+        for i, count in enumerate(sample):
+            buckets[i] += count
+    return ArmStats(totals["requests"] or 0, totals["errors"] or 0, tuple(buckets))
+
+
+def next_weight(plan: RolloutPlan) -> float | None:
+    """The first step above the current weight, or None at the last step."""
+    above = [float(s) for s in plan.steps if float(s) > plan.weight]
+    return min(above) if above else None
+
+
+def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
+    """Judge a running canary on its current step and carry the verdict out."""
+    from . import actions
+
+    now = now or timezone.now()
+    if plan.mode != PlanMode.CANARY or plan.state != PlanState.RUNNING:
+        return Verdict("hold", "only running canary plans are evaluated")
+    base = arm_stats(plan.baseline_id, plan.step_started_at)
+    cand = arm_stats(plan.candidate_id, plan.step_started_at)
+    baked = (now - plan.step_started_at).total_seconds() >= plan.bake_seconds
+    verdict = judge(plan.guardrails, base, cand, baked, next_weight(plan) is None)
+    robot = actions.Actor(None, "guardrails")
+    if verdict.action == "rollback":
+        actions.rollback(plan, robot, verdict.reason)
+    elif verdict.action == "advance":
+        actions.set_weight(plan, next_weight(plan), robot, verdict.reason)
+    elif verdict.action == "promote":
+        actions.promote(plan, robot, verdict.reason)
+    else:
+        RolloutPlan.objects.filter(pk=plan.pk).update(status_note=verdict.reason)
+    return verdict

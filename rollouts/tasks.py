@@ -1,0 +1,22 @@
+"""Celery tasks of rollouts: thin wrappers over rollouts.guardrails."""
+
+import logging
+
+from celery import shared_task
+
+from .guardrails import evaluate
+from .models import PlanMode, PlanState, RolloutPlan
+
+log = logging.getLogger(__name__)
+
+
+@shared_task
+def evaluate_rollouts() -> dict[int, str]:
+    """Judge every running canary plan once; returns plan id -> action taken."""
+    done = {}
+    for plan in RolloutPlan.objects.filter(state=PlanState.RUNNING, mode=PlanMode.CANARY):
+        verdict = evaluate(plan)
+        done[plan.pk] = verdict.action
+        if verdict.action not in ("wait", "hold"):
+            log.info("plan %s: %s (%s)", plan.pk, verdict.action, verdict.reason)
+    return done

@@ -1,0 +1,124 @@
+"""Guardrail decisions: wait on too little data, roll back on a significant error increase or a
+slow p99, advance after the bake time, promote at the last step."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from gateway.models import TrafficSample
+from gateway.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
+from rollouts.actions import Actor, start_plan
+from rollouts.guardrails import ArmStats, evaluate, judge
+from rollouts.models import AuditEvent, PlanState
+from rollouts.tasks import evaluate_rollouts
+from tests.factories import make_model, make_version
+from tests.onnx_models import small_onnx
+
+RAILS = {"max_error_rate_increase": 0.01, "max_p99_ratio": 2.0, "min_samples": 100}
+
+
+def stats(requests: int, errors: int = 0, latency_ms: float = 5.0) -> ArmStats:
+    counts = Counts()
+    for i in range(requests):
+        counts.add(latency_ms / 1000, ok=i >= errors)
+    return ArmStats(counts.requests, counts.errors, tuple(counts.buckets))
+
+
+def test_too_few_samples_waits_and_says_so():
+    verdict = judge(RAILS, stats(500), stats(40, errors=40), baked=True, last_step=False)
+    assert verdict.action == "wait" and "candidate 40/100" in verdict.reason
+
+
+def test_a_significant_error_increase_rolls_back():
+    verdict = judge(RAILS, stats(1000, errors=5), stats(1000, errors=80), True, False)
+    assert verdict.action == "rollback" and "error rate" in verdict.reason
+
+
+def test_a_small_noisy_difference_does_not_roll_back():
+    # 3 vs 1 errors in 200: within the allowed 1 point and well inside the noise.
+    verdict = judge(RAILS, stats(200, errors=1), stats(200, errors=3), True, False)
+    assert verdict.action == "advance"
+
+
+def test_a_slow_candidate_rolls_back_on_p99():
+    verdict = judge(RAILS, stats(500, latency_ms=4), stats(500, latency_ms=400), True, False)
+    assert verdict.action == "rollback" and "p99" in verdict.reason
+
+
+def test_healthy_holds_while_baking_then_advances_or_promotes():
+    assert judge(RAILS, stats(500), stats(500), baked=False, last_step=False).action == "hold"
+    assert judge(RAILS, stats(500), stats(500), baked=True, last_step=False).action == "advance"
+    assert judge(RAILS, stats(500), stats(500), baked=True, last_step=True).action == "promote"
+
+
+def test_percentile_reads_the_histogram():
+    counts = Counts()
+    for _ in range(98):
+        counts.add(0.003, True)
+    counts.add(0.3, True)
+    counts.add(0.3, True)
+    assert percentile_ms(counts.buckets, 0.5) == 5
+    assert percentile_ms(counts.buckets, 0.99) == 500
+    assert len(counts.buckets) == len(LATENCY_BOUNDS_MS) + 1
+
+
+@pytest.fixture
+def plan(world, onnx_bytes):
+    model = make_model(world.a, "clf")
+    make_version(model, onnx_bytes)
+    candidate = make_version(model, small_onnx(seed=2), alias=None)
+    return start_plan(
+        model,
+        "canary",
+        candidate,
+        RAILS,
+        Actor(None, "test"),
+        weight=5,
+        steps=[5, 50, 100],
+        bake_seconds=60,
+    )
+
+
+def sample(version_id: int, requests: int, errors: int = 0) -> None:
+    counts = Counts()
+    for i in range(requests):
+        counts.add(0.004, ok=i >= errors)
+    TrafficSample.objects.create(
+        version_id=version_id,
+        window_end=timezone.now(),
+        requests=requests,
+        errors=errors,
+        latency_buckets=counts.buckets,
+    )
+
+
+def test_beat_task_rolls_back_a_failing_candidate_and_audits_it(plan):
+    sample(plan.baseline_id, 1000, errors=2)
+    sample(plan.candidate_id, 1000, errors=200)
+    assert evaluate_rollouts() == {plan.pk: "rollback"}
+    plan.refresh_from_db()
+    assert plan.state == PlanState.ROLLED_BACK and plan.weight == 0
+    event = AuditEvent.objects.get(action="plan.rollback")
+    assert event.actor_label == "guardrails" and "error rate" in event.reason
+
+
+def test_healthy_candidate_advances_after_bake_then_is_promoted(plan):
+    later = plan.step_started_at + timedelta(seconds=61)
+    sample(plan.baseline_id, 500)
+    sample(plan.candidate_id, 500)
+    assert evaluate(plan, now=later).action == "advance"
+    plan.refresh_from_db()
+    assert plan.weight == 50
+    # The new step starts with no data: it waits, then judges afresh.
+    assert evaluate(plan).action == "wait"
+    plan.refresh_from_db()
+    assert plan.status_note.startswith("waiting for data")
+    plan.weight = 100
+    plan.save()
+    sample(plan.baseline_id, 500)
+    sample(plan.candidate_id, 500)
+    assert evaluate(plan, now=timezone.now() + timedelta(seconds=61)).action == "promote"
+    plan.refresh_from_db()
+    assert plan.state == PlanState.PROMOTED
+    assert plan.model.aliases.get(name="production").version_id == plan.candidate_id
