@@ -20,6 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from rollouts.routing import Split, active_split
+from rollouts.shadow import record_shadow
 from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 
@@ -147,6 +148,9 @@ class GatewayState:
             counts = self.traffic.drain()
             if counts:
                 await database_sync_to_async(save_samples)(counts)
+            shadows, self.shadow_stats = self.shadow_stats, {}
+            if shadows:
+                await database_sync_to_async(record_shadow)(shadows)
 
     async def _refresh_remote_agents(self) -> None:
         layer = get_channel_layer()

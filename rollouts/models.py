@@ -138,3 +138,16 @@ class AuditEvent(models.Model):
 
     def delete(self, *args, **kwargs):
         raise ValidationError("Audit events are append-only.")
+
+
+class ShadowSample(models.Model):
+    """Shadow copies one gateway process ran for a plan over one flush interval."""
+
+    plan = models.ForeignKey(RolloutPlan, on_delete=models.CASCADE, related_name="shadow_samples")
+    window_end = models.DateTimeField()
+    answered = models.PositiveIntegerField()
+    agreed = models.PositiveIntegerField()
+    failed = models.PositiveIntegerField()
+
+    def __str__(self) -> str:
+        return f"plan {self.plan_id}: {self.agreed}/{self.answered} agreed"

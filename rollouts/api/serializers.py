@@ -3,6 +3,7 @@
 from rest_framework import serializers
 
 from ..models import AuditEvent, PlanMode, RolloutPlan
+from ..shadow import shadow_summary
 
 
 class PlanSerializer(serializers.ModelSerializer):
@@ -10,6 +11,7 @@ class PlanSerializer(serializers.ModelSerializer):
     baseline = serializers.IntegerField(source="baseline.version", read_only=True)
     candidate = serializers.IntegerField(source="candidate.version", read_only=True)
     arms = serializers.SerializerMethodField()
+    shadow = serializers.SerializerMethodField()
 
     class Meta:
         model = RolloutPlan
@@ -28,10 +30,15 @@ class PlanSerializer(serializers.ModelSerializer):
             "routing_header",
             "guardrails",
             "arms",
+            "shadow",
+            "status_note",
             "created_at",
             "updated_at",
         ]
         read_only_fields = fields
+
+    def get_shadow(self, plan: RolloutPlan) -> dict | None:
+        return shadow_summary(plan) if plan.mode == PlanMode.SHADOW else None
 
     def get_arms(self, plan: RolloutPlan) -> list[dict]:
         return [
