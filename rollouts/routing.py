@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db.models import Q
+from django.utils import timezone
 
 from .models import ACTIVE_STATES, RolloutPlan
 from .strategies import STRATEGIES, Arm
@@ -65,9 +69,15 @@ def active_split(tenant_id: int, model_name: str, alias: str) -> Split | None:
     return None if plan is None else split_of(plan)
 
 
+# A plan that just ended keeps its versions assigned this long, so requests already routed to
+# the candidate finish and every gateway has switched before agents unload it.
+DRAIN_S = 30
+
+
 def versions_in_active_plans(tenant_id: int | None = None) -> set[int]:
-    """Every version an active plan may route or copy to, so agents keep them loaded."""
-    plans = RolloutPlan.objects.filter(state__in=ACTIVE_STATES)
+    """Every version an active (or just ended) plan may route or copy to: agents keep them."""
+    recent = timezone.now() - timedelta(seconds=DRAIN_S)
+    plans = RolloutPlan.objects.filter(Q(state__in=ACTIVE_STATES) | Q(updated_at__gte=recent))
     if tenant_id is not None:
         plans = plans.filter(model__tenant_id=tenant_id)
     ids: set[int] = set()

@@ -67,16 +67,15 @@ def test_slow_candidate_is_rolled_back_by_the_beat_task(backend_name, tmp_path):
             wait_until(lambda: state() == "rolled_back", 60, procs[-1], interval=0.5)
             rollback = c.get("/api/v1/audit", params={"action": "plan.rollback"}).json()
             assert rollback[0]["actor_label"] == "guardrails" and "p99" in rollback[0]["reason"]
-            wait_until(
-                lambda: all(
-                    c.post(
-                        "/v2/models/clf/infer", json=BODY, headers={"X-User-Id": f"u{i}"}
-                    ).json()["model_version"]
-                    == "1"
-                    for i in range(30)
-                ),
-                5,
-            )
+
+            def all_on_baseline() -> bool:
+                for i in range(30):
+                    r = c.post("/v2/models/clf/infer", json=BODY, headers={"X-User-Id": f"u{i}"})
+                    if r.status_code != 200 or r.json()["model_version"] != "1":
+                        return False
+                return True
+
+            wait_until(all_on_baseline, 10)
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -44,11 +44,17 @@ def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name
                     "guardrails": guardrails,
                 },
             ).json()
-            # Readiness probes through OIP would spend the tiny quota: read the agent's log.
-            agent = procs[1]
-            wait_until(lambda: "version 1 ready" in agent.log(), 60, agent)
-            wait_until(lambda: "version 2 ready" in agent.log(), 60, agent)
-            time.sleep(0.5)
+
+            # Readiness probes through OIP would spend the tiny quota: ask the node registry.
+            def both_ready() -> bool:
+                out = backend.shell(
+                    "from gateway.models import AgentSession as S;"
+                    "print(sorted(v for s in S.objects.filter(disconnected_at=None)"
+                    " for v in s.ready_versions))"
+                )
+                return out.strip() == "[1, 2]"
+
+            wait_until(both_ready, 60, procs[1], interval=0.5)
             took = []
             for i in range(12):
                 start = time.perf_counter()
@@ -62,7 +68,8 @@ def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name
             def shadow() -> dict:
                 return c.get(f"/api/v1/rollouts/{plan['id']}").json()["shadow"]
 
-            wait_until(lambda: shadow()["answered"] == 12, 20, procs[0], interval=0.5)
+            wait_until(lambda: shadow()["answered"] + shadow()["failed"] == 12, 30, procs[0], 0.5)
+            assert shadow()["failed"] == 0, shadow()
             assert shadow()["agreement_rate"] is not None
     finally:
         for proc in reversed(procs):
