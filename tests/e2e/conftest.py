@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.onnx_models import small_onnx
+from tests.onnx_models import slow_onnx, small_onnx
 
 from .harness import (
     Backend,
@@ -19,6 +20,7 @@ from .harness import (
     services_available,
     services_backend,
     start_agent,
+    start_celery,
     start_server,
     wait_until,
 )
@@ -100,3 +102,37 @@ def stack(request, tmp_path_factory):
     agent.stop()
     server.stop()
     backend.close()
+
+
+@contextmanager
+def platform_with_agent(backend_name: str, tmp, env: dict | None = None, celery: bool = False):
+    """A backend, a uvicorn server and one agent (and Celery worker and beat if asked);
+    yields (backend, url, processes) and stops everything afterwards."""
+    backend = make_backend(backend_name, tmp)
+    backend.env.update(env or {})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [start_server(backend, "uvicorn", port)]
+    try:
+        procs.append(start_agent(backend, url, create_node(backend, "n")))
+        if celery:
+            procs += [start_celery(backend, "worker"), start_celery(backend, "beat")]
+        yield backend, url, procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        backend.close()
+
+
+GUARDRAILS = {"max_error_rate_increase": 0.05, "max_p99_ratio": 3, "min_samples": 20}
+
+
+def plan_towards_slow_candidate(client: httpx.Client, **plan: object) -> dict:
+    """Model ``clf``: a fast v1 in production, a slow v2 (~5 ms a row), and a plan towards v2."""
+    upload_and_promote(client, "clf", small_onnx())
+    files = {"artifact": ("slow.onnx", slow_onnx(depth=96), "application/octet-stream")}
+    assert client.post("/api/v1/models/clf/versions", files=files).status_code == 201
+    body = {"candidate": 2, "guardrails": GUARDRAILS, **plan}
+    response = client.post("/api/v1/models/clf/rollouts", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()

@@ -8,10 +8,8 @@ import time
 import httpx
 import pytest
 
-from tests.onnx_models import slow_onnx, small_onnx
-
-from .conftest import make_backend, upload_and_promote
-from .harness import create_node, create_tenant, free_port, start_agent, start_server, wait_until
+from .conftest import plan_towards_slow_candidate, platform_with_agent
+from .harness import create_tenant, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -20,30 +18,12 @@ BODY = {"inputs": [{"name": "x", "shape": [16, 4], "datatype": "FP32", "data": [
 
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name, tmp_path):
-    backend = make_backend(backend_name, tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs = [start_server(backend, "uvicorn", port)]
-    try:
-        procs.append(start_agent(backend, url, create_node(backend, "n")))
+    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
         # 12 requests of burst: the 12 shadow copies would exhaust it if they counted.
         key = create_tenant(backend, "t", rps=0.01, burst=16)
-        with httpx.Client(
-            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        ) as c:
-            upload_and_promote(c, "clf", small_onnx())
-            files = {"artifact": ("slow.onnx", slow_onnx(depth=96), "application/octet-stream")}
-            assert c.post("/api/v1/models/clf/versions", files=files).status_code == 201
-            guardrails = {"max_error_rate_increase": 0.05, "max_p99_ratio": 3, "min_samples": 20}
-            plan = c.post(
-                "/api/v1/models/clf/rollouts",
-                json={
-                    "mode": "shadow",
-                    "candidate": 2,
-                    "shadow_sample": 1.0,
-                    "guardrails": guardrails,
-                },
-            ).json()
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            plan = plan_towards_slow_candidate(c, mode="shadow", shadow_sample=1.0)
 
             # Readiness probes through OIP would spend the tiny quota: ask the node registry.
             def both_ready() -> bool:
@@ -71,7 +51,3 @@ def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name
             wait_until(lambda: shadow()["answered"] + shadow()["failed"] == 12, 30, procs[0], 0.5)
             assert shadow()["failed"] == 0, shadow()
             assert shadow()["agreement_rate"] is not None
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        backend.close()
