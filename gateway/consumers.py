@@ -144,14 +144,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self._reply_frame(frame)
 
     async def _reply_frame(self, data: bytes) -> None:
-        if self.link is not None and self.state.pool.deliver(self.link, data):
+        if self.link is None:
+            return
+        unmatched = self.state.pool.deliver(self.link, data)
+        if unmatched is None:
             return
         # Not a local request: it may answer one forwarded from another gateway process.
-        try:
-            header, _ = decode_frame(data)
-        except FrameError:
-            return
-        reply_channel = self.remote_replies.pop(header.id, None)
+        reply_channel = self.remote_replies.pop(unmatched, None)
         if reply_channel is not None:
             await self.channel_layer.send(reply_channel, {"type": "infer.reply", "frame": data})
 

@@ -167,17 +167,18 @@ class AgentPool:
                 504, f"the serving agent did not answer within {timeout:g} s"
             ) from None
 
-    def deliver(self, link: AgentLink, data: bytes) -> bool:
-        """Resolve the request a reply frame answers; False if it is not one of ours."""
+    def deliver(self, link: AgentLink, data: bytes) -> int | None:
+        """Resolve the request a reply frame answers. Returns the reply's id when no request
+        of this process waits for it (it may answer one forwarded from another process)."""
         reply = _decode_reply(data)
         if reply is None:
-            return True
+            return None
         fut = link.pending.pop(reply[0].id, None)
         if fut is None:
-            return False
+            return reply[0].id
         if not fut.done():
             fut.set_result(reply)
-        return True
+        return None
 
     def deliver_remote(self, data: bytes) -> None:
         """A reply that came back through the channel layer."""

@@ -51,7 +51,7 @@ class GatewayState:
         self._keys: dict[str, KeyIdentity | None] = {}
         self._routes: dict[tuple[int, str, int | None], Route | str] = {}
         self._splits: dict[tuple[int, str], Split | None] = {}
-        self._by_id: dict[int, Route] = {}
+        self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
         # Shadow comparisons per plan: [copies answered, agreeing with the baseline, failed].
         self.shadow_stats: dict[int, list[int]] = {}
@@ -99,10 +99,10 @@ class GatewayState:
 
     async def version_route(self, tenant_id: int, version_id: int) -> Route:
         try:
-            return self._by_id[version_id]
+            return self._by_id[(tenant_id, version_id)]
         except KeyError:
             found = await database_sync_to_async(resolve_version_id)(tenant_id, version_id)
-            self._remember(self._by_id, version_id, found)
+            self._remember(self._by_id, (tenant_id, version_id), found)
             return found
 
     @staticmethod

@@ -160,7 +160,8 @@ STATIC_ROOT.mkdir(exist_ok=True)
 MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024
-DATA_UPLOAD_MAX_MEMORY_SIZE = int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024)))
+MAX_BODY_BYTES = int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_BODY_BYTES
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -184,7 +185,7 @@ SPECTACULAR_SETTINGS = {
 # Data path ---------------------------------------------------------------------------------
 SWITCHYARD = {
     # Largest inference request body; larger ones get 413.
-    "MAX_BODY_BYTES": int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024))),
+    "MAX_BODY_BYTES": MAX_BODY_BYTES,
     # Deadline for one inference through an agent; past it the client gets 504.
     "INFER_TIMEOUT_S": float(env("SWITCHYARD_INFER_TIMEOUT_S", "10")),
     # How often each gateway process checks whether keys, routes or agents changed.

@@ -4,6 +4,7 @@ Celery, each on a backend: the embedded default (SQLite, no Redis) or PostgreSQL
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-_redis_db = iter(range(1, 16))
+_redis_db = itertools.cycle(range(1, 16))  # each backend flushes the one it takes
 
 
 def services_available() -> bool:

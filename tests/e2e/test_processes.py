@@ -48,10 +48,6 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
             return out.strip() == "True"
 
         wait_until(closed, 60, worker, interval=1.0)
-        schedule = backend.shell(
-            "from django_celery_beat.models import PeriodicTask;"
-            "print(sorted(PeriodicTask.objects.values_list('task', flat=True)))"
-        )
         wait_until(
             lambda: (
                 "gateway.tasks.mark_stale_agents_offline"
@@ -63,7 +59,6 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
             30,
             beat,
         )
-        assert schedule is not None
     finally:
         beat.stop()
         worker.stop()
