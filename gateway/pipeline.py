@@ -194,18 +194,20 @@ async def shadow_copy(
 
     Not rate-limited: shadows never count against the tenant's quota.
     """
-    stats = state.shadow_stats.setdefault(routed.plan_id, [0, 0, 0])
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         result = await run_inference(state, route, names, arrays)
     except (ApiError, RouteMissing) as exc:
-        stats[2] += 1
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
-        return
-    stats[0] += 1
-    if _agree(answer[0][1], result[0][1]):
-        stats[1] += 1
-    log.debug("shadow plan %s: %s answered, %s agreed", routed.plan_id, stats[0], stats[1])
+        answered, agreed, failed = 0, 0, 1
+    else:
+        answered, agreed, failed = 1, int(_agree(answer[0][1], result[0][1])), 0
+    # Looked up only now, with no await before the update: the refresh loop swaps the dict
+    # out when it flushes, and counts added to a flushed one would be lost.
+    stats = state.shadow_stats.setdefault(routed.plan_id, [0, 0, 0])
+    stats[0] += answered
+    stats[1] += agreed
+    stats[2] += failed
 
 
 def _agree(baseline: np.ndarray, shadow: np.ndarray) -> bool:
