@@ -11,6 +11,19 @@ from rest_framework.views import exception_handler
 from registry.signature import SignatureError
 
 
+class Conflict(Exception):
+    """A change that lost a race or no longer fits the current state: the API answers 409."""
+
+
+class Forbidden(Exception):
+    """The caller's role or identity does not allow this change: the API answers 403."""
+
+
+class _ConflictError(exceptions.APIException):
+    status_code = 409
+    default_code = "conflict"
+
+
 def _flatten(detail, prefix: str = "") -> list[str]:
     if isinstance(detail, dict):
         out = []
@@ -30,6 +43,10 @@ def api_exception_handler(exc, context):
         exc = exceptions.ValidationError(
             exc.message_dict if hasattr(exc, "error_dict") else {"detail": exc.messages}
         )
+    elif isinstance(exc, Conflict):
+        exc = _ConflictError(str(exc))
+    elif isinstance(exc, Forbidden):
+        exc = exceptions.PermissionDenied(str(exc))
     elif isinstance(exc, Http404):
         exc = exceptions.NotFound(str(exc) or "not found")
     response = exception_handler(exc, context)

@@ -9,6 +9,8 @@ from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
+from rollouts.audit import SYSTEM, Actor, audit
+
 from .models import Alias, ArtifactFormat, Model, ModelVersion
 from .signature import (
     SignatureError,
@@ -122,9 +124,10 @@ def update_serving_settings(version: ModelVersion, changes: dict[str, Any]) -> M
 
 
 def set_alias(
-    model: Model, name: str, version: ModelVersion, updated_by_id: int | None = None
+    model: Model, name: str, version: ModelVersion, actor: Actor = SYSTEM, reason: str = ""
 ) -> Alias:
-    """Point an alias at a version (creating the alias if needed)."""
+    """Point an alias at a version (creating the alias if needed), audited in the same
+    transaction. Protected aliases reach here through ``rollouts.approvals``."""
     if version.model_id != model.pk:
         raise SignatureError("version", "the version must belong to this model")
     with transaction.atomic():
@@ -132,10 +135,13 @@ def set_alias(
         alias = Alias.objects.select_for_update().filter(model=model, name=name).first()
         if alias is None:
             alias = Alias(model=model, name=name)
+        before = {"version": alias.version.version} if alias.version_id else {}
         alias.version = version
-        alias.updated_by_id = updated_by_id
+        alias.updated_by_id = actor.user_id
         alias.full_clean()
         alias.save()
+        after = {"version": version.version}
+        audit(model.tenant_id, actor, "alias.move", f"{model}@{name}", before, after, reason)
     return alias
 
 

@@ -3,47 +3,28 @@ same transaction. Views and tasks call these and nothing else."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from platform_site.errors import Conflict
 from registry.models import Model, ModelVersion
+from registry.services import set_alias
 
-from .models import AuditEvent, PlanArm, PlanMode, PlanState, RolloutPlan
+from .audit import Actor, audit
+from .models import (
+    OPEN_REQUEST_STATES,
+    ApprovalRequest,
+    PlanArm,
+    PlanMode,
+    PlanState,
+    RequestState,
+    RolloutPlan,
+)
 
 GUARDRAIL_KEYS = {"max_error_rate_increase", "max_p99_ratio", "min_samples"}
-
-
-@dataclass(frozen=True)
-class Actor:
-    """Who acts: a signed-in user, or an API key (no user)."""
-
-    user_id: int | None
-    label: str
-
-
-def audit(
-    tenant_id: int,
-    actor: Actor,
-    action: str,
-    target: str,
-    before=None,
-    after=None,
-    reason: str = "",
-) -> AuditEvent:
-    return AuditEvent.objects.create(
-        tenant_id=tenant_id,
-        actor_id=actor.user_id,
-        actor_label=actor.label,
-        action=action,
-        target=target,
-        before=before or {},
-        after=after or {},
-        reason=reason,
-    )
 
 
 def check_guardrails(guardrails: Any) -> dict:
@@ -115,7 +96,7 @@ def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "")
         if locked.mode != PlanMode.CANARY:
             raise ValidationError({"weight": "only canary plans have a single weight"})
         if not locked.is_active:
-            raise ValidationError({"state": f"the plan is {locked.state}"})
+            raise Conflict(f"the plan is {locked.state}")
         before = _state(locked)
         locked.weight = weight
         locked.step_started_at = timezone.now()  # the new step bakes and is judged from here
@@ -148,29 +129,51 @@ def _end(plan: RolloutPlan, actor: Actor, reason: str, action: str) -> RolloutPl
         # Row lock: a rollback racing a weight change or another rollback ends in one state.
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if not locked.is_active:
-            raise ValidationError({"state": f"the plan is already {locked.state}"})
+            raise Conflict(f"the plan is already {locked.state}")
         before = _state(locked)
         locked.state = PlanState.ROLLED_BACK
         locked.weight = 0.0
         locked.status_note = reason
         locked.save(update_fields=["state", "weight", "status_note", "updated_at"])
         audit(locked.model.tenant_id, actor, action, str(locked), before, _state(locked), reason)
+        cancel_open_requests(locked, actor, f"the plan was stopped: {reason}")
+    return locked
+
+
+def pause(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
+    """Hold the split where it is: the guardrails neither advance nor promote a paused plan."""
+    return _switch(plan, actor, reason or "paused", PlanState.RUNNING, PlanState.PAUSED)
+
+
+def resume(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
+    """Back under the guardrails; the current step is judged afresh from now."""
+    return _switch(plan, actor, reason or "resumed", PlanState.PAUSED, PlanState.RUNNING)
+
+
+def _switch(plan: RolloutPlan, actor: Actor, reason: str, source: str, target: str):
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if locked.state != source:
+            raise Conflict(f"the plan is {locked.state}, not {source}")
+        before = _state(locked)
+        locked.state = target
+        locked.step_started_at = timezone.now()
+        locked.status_note = reason
+        locked.save(update_fields=["state", "step_started_at", "status_note", "updated_at"])
+        action = "plan.pause" if target == PlanState.PAUSED else "plan.resume"
+        audit(locked.model.tenant_id, actor, action, str(locked), before, _state(locked), reason)
     return locked
 
 
 def promote(plan: RolloutPlan, actor: Actor, reason: str) -> RolloutPlan:
-    """The candidate is healthy at 100 %: point the alias at it and close the plan.
-
-    Approval before promotion (an approver other than the requester) is not built yet.
-    """
+    """Point the alias at the candidate and close the plan. Only ``approvals`` calls this, once
+    an approver other than the requester has approved the promotion."""
     with transaction.atomic():
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if locked.state != PlanState.RUNNING:
-            raise ValidationError({"state": f"the plan is {locked.state}"})
+            raise Conflict(f"the plan is {locked.state}")
         before = _state(locked)
-        alias = locked.model.aliases.select_for_update().get(name=locked.alias)
-        alias.version = locked.candidate
-        alias.save()
+        set_alias(locked.model, locked.alias, locked.candidate, actor, reason)
         locked.state = PlanState.PROMOTED
         locked.status_note = reason
         locked.save(update_fields=["state", "status_note", "updated_at"])
@@ -184,6 +187,18 @@ def promote(plan: RolloutPlan, actor: Actor, reason: str) -> RolloutPlan:
             reason,
         )
     return locked
+
+
+def cancel_open_requests(plan: RolloutPlan, actor: Actor, reason: str) -> None:
+    """The plan ended: what was asked of it no longer holds. Called inside the plan's lock."""
+    for req in ApprovalRequest.objects.select_for_update().filter(
+        plan=plan, state__in=OPEN_REQUEST_STATES
+    ):
+        before = req.snapshot()
+        req.state = RequestState.CANCELLED
+        req.decision_comment = reason
+        req.save(update_fields=["state", "decision_comment"])
+        audit(req.tenant_id, actor, "approval.cancel", str(req), before, req.snapshot(), reason)
 
 
 def _state(plan: RolloutPlan) -> dict:

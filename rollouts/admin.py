@@ -2,7 +2,7 @@
 
 from django.contrib import admin
 
-from .models import AuditEvent, PlanArm, RolloutPlan
+from .models import ApprovalRequest, AuditEvent, PlanArm, RolloutPlan
 
 
 class PlanArmInline(admin.TabularInline):
@@ -22,6 +22,25 @@ class RolloutPlanAdmin(admin.ModelAdmin):
         return [f.name for f in RolloutPlan._meta.fields]
 
     def has_add_permission(self, request):
+        return False
+
+
+@admin.register(ApprovalRequest)
+class ApprovalRequestAdmin(admin.ModelAdmin):
+    """Read-only: decisions go through the approvals inbox or the API, which check the role,
+    the four-eyes rule and the row locks."""
+
+    list_display = ["__str__", "kind", "state", "requested_label", "decided_label", "created_at"]
+    list_filter = ["state", "kind", "tenant"]
+    search_fields = ["model__name", "requested_label", "decided_label", "comment"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in ApprovalRequest._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
         return False
 
 

@@ -13,30 +13,16 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Sum
 from django.utils import timezone
 
-from gateway.models import TrafficSample
-from gateway.traffic import LATENCY_BOUNDS_MS, percentile_ms
+from gateway.traffic import LATENCY_BOUNDS_MS
 
+from . import actions
+from .approvals import GUARDRAILS, promote_when_approved
+from .metrics import ArmStats, arm_stats
 from .models import PlanMode, PlanState, RolloutPlan
 
 Z_CRITICAL = 2.326  # one-sided, 1 % false-alarm rate
-
-
-@dataclass(frozen=True)
-class ArmStats:
-    requests: int
-    errors: int
-    buckets: tuple[int, ...]
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    @property
-    def p99_ms(self) -> float:
-        return percentile_ms(list(self.buckets), 0.99)
 
 
 @dataclass(frozen=True)
@@ -79,16 +65,6 @@ def judge(
     return Verdict("promote" if last_step else "advance", "healthy past its bake time")
 
 
-def arm_stats(version_id: int, since: datetime) -> ArmStats:
-    rows = TrafficSample.objects.filter(version_id=version_id, window_end__gte=since)
-    totals = rows.aggregate(requests=Sum("requests"), errors=Sum("errors"))
-    buckets = [0] * (len(LATENCY_BOUNDS_MS) + 1)
-    for sample in rows.values_list("latency_buckets", flat=True):
-        for i, count in enumerate(sample):
-            buckets[i] += count
-    return ArmStats(totals["requests"] or 0, totals["errors"] or 0, tuple(buckets))
-
-
 def next_weight(plan: RolloutPlan) -> float | None:
     """The first step above the current weight, or None at the last step."""
     above = [float(s) for s in plan.steps if float(s) > plan.weight]
@@ -97,8 +73,6 @@ def next_weight(plan: RolloutPlan) -> float | None:
 
 def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     """Judge a running canary on its current step and carry the verdict out."""
-    from . import actions
-
     now = now or timezone.now()
     if plan.mode != PlanMode.CANARY or plan.state != PlanState.RUNNING:
         return Verdict("hold", "only running canary plans are evaluated")
@@ -106,13 +80,14 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     cand = arm_stats(plan.candidate_id, plan.step_started_at)
     baked = (now - plan.step_started_at).total_seconds() >= plan.bake_seconds
     verdict = judge(plan.guardrails, base, cand, baked, next_weight(plan) is None)
-    robot = actions.Actor(None, "guardrails")
     if verdict.action == "rollback":
-        actions.rollback(plan, robot, verdict.reason)
+        actions.rollback(plan, GUARDRAILS, verdict.reason)
     elif verdict.action == "advance":
-        actions.set_weight(plan, next_weight(plan), robot, verdict.reason)
+        actions.set_weight(plan, next_weight(plan), GUARDRAILS, verdict.reason)
     elif verdict.action == "promote":
-        actions.promote(plan, robot, verdict.reason)
+        # Promotion moves a protected alias: it needs an approver's yes (asked for once).
+        promoted, note = promote_when_approved(plan, verdict.reason)
+        verdict = Verdict("promote" if promoted else "hold", note)
     else:
         RolloutPlan.objects.filter(pk=plan.pk).update(status_note=verdict.reason)
     return verdict

@@ -52,6 +52,10 @@ class RolloutPlan(models.Model):
         default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
     )
     steps = models.JSONField(default=default_steps)
+    # The highest weight a person may set directly; above it a weight change needs an approval.
+    max_weight = models.FloatField(
+        default=50.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
+    )
     bake_seconds = models.PositiveIntegerField(default=300)
     shadow_sample = models.FloatField(
         default=1.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)]
@@ -138,6 +142,101 @@ class AuditEvent(models.Model):
 
     def delete(self, *args, **kwargs):
         raise ValidationError("Audit events are append-only.")
+
+
+class RequestKind(models.TextChoices):
+    PROMOTION = "promotion", "Promotion"
+    WEIGHT = "weight", "Weight change"
+
+
+class RequestState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    APPROVED = "approved", "Approved"  # a plan's promotion: waits for the plan's last step
+    APPLIED = "applied", "Applied"
+    REJECTED = "rejected", "Rejected"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+OPEN_REQUEST_STATES = (RequestState.PENDING, RequestState.APPROVED)
+
+
+class ApprovalRequest(models.Model):
+    """A change that needs a second person: moving a protected alias (a promotion, directly or
+    by a plan reaching 100 %) or a canary weight above the plan's ``max_weight``.
+
+    Only a member with the approver role who is not the requester decides. The evidence is
+    computed live while pending and frozen with the decision.
+    """
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey(
+        "registry.Model", on_delete=models.CASCADE, related_name="approval_requests"
+    )
+    alias = models.CharField(max_length=50)
+    kind = models.CharField(max_length=10, choices=RequestKind.choices)
+    state = models.CharField(
+        max_length=10, choices=RequestState.choices, default=RequestState.PENDING
+    )
+    plan = models.ForeignKey(
+        RolloutPlan, null=True, blank=True, on_delete=models.CASCADE, related_name="requests"
+    )
+    # What the alias pointed at when the request was made: if it moves, the request is stale.
+    from_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    to_version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="+"
+    )
+    weight = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
+    )
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    requested_label = models.CharField(max_length=150)
+    comment = models.TextField(blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_label = models.CharField(max_length=150, blank=True)
+    decision_comment = models.TextField(blank=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+    evidence = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "alias", "kind"],
+                condition=Q(state__in=["pending", "approved"]),
+                name="one_open_request_per_alias_and_kind",
+                violation_error_message="This alias already has an open request of this kind.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        change = (
+            f"{self.weight:g}%"
+            if self.kind == RequestKind.WEIGHT
+            else f"v{self.to_version.version}"
+        )
+        return f"#{self.pk} {self.kind} {self.model}@{self.alias} → {change} ({self.state})"
+
+    @property
+    def is_open(self) -> bool:
+        return self.state in OPEN_REQUEST_STATES
+
+    def snapshot(self) -> dict:
+        """The request as an audit event's before/after records it."""
+        return {
+            "state": self.state,
+            "kind": self.kind,
+            "from_version": self.from_version.version if self.from_version else None,
+            "to_version": self.to_version.version,
+            "weight": self.weight,
+            "plan": self.plan_id,
+        }
 
 
 class ShadowSample(models.Model):

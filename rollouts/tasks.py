@@ -4,6 +4,8 @@ import logging
 
 from celery import shared_task
 
+from platform_site.errors import Conflict
+
 from .guardrails import evaluate
 from .models import PlanMode, PlanState, RolloutPlan
 
@@ -15,7 +17,12 @@ def evaluate_rollouts() -> dict[int, str]:
     """Judge every running canary plan once; returns plan id -> action taken."""
     done = {}
     for plan in RolloutPlan.objects.filter(state=PlanState.RUNNING, mode=PlanMode.CANARY):
-        verdict = evaluate(plan)
+        try:
+            verdict = evaluate(plan)
+        except Conflict as lost:
+            # A person acted on the plan first (kill, pause, approval): theirs stands.
+            log.info("plan %s: %s", plan.pk, lost)
+            continue
         done[plan.pk] = verdict.action
         if verdict.action not in ("wait", "hold"):
             log.info("plan %s: %s (%s)", plan.pk, verdict.action, verdict.reason)

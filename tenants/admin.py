@@ -2,6 +2,8 @@
 
 from django.contrib import admin, messages
 
+from rollouts.audit import user_actor
+
 from .keys import create_api_key, revoke_api_key
 from .models import ApiKey, Membership, Quota, Tenant
 
@@ -41,7 +43,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         if change:
             super().save_model(request, obj, form, change)
             return
-        key, raw = create_api_key(obj.tenant, obj.name, created_by=request.user)
+        key, raw = create_api_key(obj.tenant, obj.name, user_actor(request.user))
         obj.pk = key.pk
         obj.prefix = key.prefix
         messages.warning(
@@ -51,7 +53,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected keys")
     def revoke(self, request, queryset):
         for key in queryset:
-            revoke_api_key(key)
+            revoke_api_key(key, user_actor(request.user))
         messages.success(request, f"Revoked {queryset.count()} key(s).")
 
 

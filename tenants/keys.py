@@ -9,6 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
+from rollouts.audit import SYSTEM, Actor, audit
 
 from .models import ApiKey, Quota, Tenant
 
@@ -27,24 +28,36 @@ class KeyIdentity:
     burst: int
 
 
-def create_api_key(tenant: Tenant, name: str, created_by=None) -> tuple[ApiKey, str]:
-    """Create a key; the raw key is returned once and never stored."""
+def create_api_key(tenant: Tenant, name: str, actor: Actor = SYSTEM) -> tuple[ApiKey, str]:
+    """Create a key, audited; the raw key is returned once and never stored."""
     prefix, raw = new_token(KEY_KIND)
-    key = ApiKey.objects.create(
-        tenant=tenant, name=name, prefix=prefix, key_hash=hash_token(raw), created_by=created_by
-    )
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            tenant=tenant,
+            name=name,
+            prefix=prefix,
+            key_hash=hash_token(raw),
+            created_by_id=actor.user_id,
+        )
+        audit(tenant.pk, actor, "key.create", _target(key), after={"name": name, "prefix": prefix})
     return key, raw
 
 
-def revoke_api_key(key: ApiKey) -> ApiKey:
-    """Revoke a key; the gateways stop accepting it within their refresh interval."""
+def revoke_api_key(key: ApiKey, actor: Actor = SYSTEM) -> ApiKey:
+    """Revoke a key, audited; the gateways stop accepting it within their refresh interval."""
     with transaction.atomic():
         # Row lock: two concurrent revocations keep the first revocation time.
         locked = ApiKey.objects.select_for_update().get(pk=key.pk)
         if locked.revoked_at is None:
             locked.revoked_at = timezone.now()
             locked.save(update_fields=["revoked_at"])  # save() so change signals fire
+            after = {"revoked_at": locked.revoked_at.isoformat()}
+            audit(locked.tenant_id, actor, "key.revoke", _target(locked), {}, after)
     return locked
+
+
+def _target(key: ApiKey) -> str:
+    return f"api key {key.name!r} (sy_{key.prefix}_…)"
 
 
 def identify_key(raw: str) -> KeyIdentity | None:

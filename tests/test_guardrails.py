@@ -10,9 +10,12 @@ from gateway.models import TrafficSample
 from gateway.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
 from rollouts.actions import Actor, start_plan
 from rollouts.guardrails import ArmStats, evaluate, judge
-from rollouts.models import AuditEvent, PlanState
+from rollouts.approvals import approve
+from rollouts.audit import user_actor
+from rollouts.models import ApprovalRequest, AuditEvent, PlanState
 from rollouts.tasks import evaluate_rollouts
-from tests.factories import make_model, make_version
+from tenants.models import Role
+from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 
 RAILS = {"max_error_rate_increase": 0.01, "max_p99_ratio": 2.0, "min_samples": 100}
@@ -103,7 +106,7 @@ def test_beat_task_rolls_back_a_failing_candidate_and_audits_it(plan):
     assert event.actor_label == "guardrails" and "error rate" in event.reason
 
 
-def test_healthy_candidate_advances_after_bake_then_is_promoted(plan):
+def test_healthy_candidate_advances_after_bake_then_is_promoted_once_approved(plan):
     later = plan.step_started_at + timedelta(seconds=61)
     sample(plan.baseline_id, 500)
     sample(plan.candidate_id, 500)
@@ -118,7 +121,18 @@ def test_healthy_candidate_advances_after_bake_then_is_promoted(plan):
     plan.save()
     sample(plan.baseline_id, 500)
     sample(plan.candidate_id, 500)
-    assert evaluate(plan, now=timezone.now() + timedelta(seconds=61)).action == "promote"
+    # Healthy at the last step: promotion moves production, so the guardrails ask an approver.
+    baked = timezone.now() + timedelta(seconds=61)
+    verdict = evaluate(plan, now=baked)
+    assert verdict.action == "hold" and "waiting for approval" in verdict.reason
+    request = ApprovalRequest.objects.get(plan=plan)
+    assert request.requested_label == "guardrails" and request.state == "pending"
+    assert evaluate(plan, now=baked).action == "hold"  # asks once
+    assert ApprovalRequest.objects.filter(plan=plan).count() == 1
+    approver = make_member(plan.model.tenant, "ann", Role.APPROVER)
+    approve(request, user_actor(approver, Role.APPROVER), "numbers look fine")
+    assert evaluate(plan, now=baked).action == "promote"
     plan.refresh_from_db()
-    assert plan.state == PlanState.PROMOTED
+    request.refresh_from_db()
+    assert plan.state == PlanState.PROMOTED and request.state == "applied"
     assert plan.model.aliases.get(name="production").version_id == plan.candidate_id

@@ -86,6 +86,9 @@ class VersionUpdateSerializer(serializers.Serializer):
 class AliasSerializer(serializers.Serializer):
     name = serializers.CharField(read_only=True)
     version = serializers.IntegerField(min_value=1)
+    comment = serializers.CharField(
+        write_only=True, required=False, allow_blank=True, default="", help_text="why (audited)"
+    )
     updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, alias: Alias) -> dict:

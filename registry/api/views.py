@@ -11,6 +11,10 @@ from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from rollouts.api.serializers import ApprovalSerializer
+from rollouts.api.views import actor_of, approval_response
+from rollouts.approvals import move_alias
+from rollouts.models import ApprovalRequest
 from tenants.authentication import TenantRolePermission
 
 from .. import services
@@ -129,11 +133,16 @@ class AliasView(APIView):
             raise NotFound(f"model {name!r} has no alias {alias!r}")
         return Response(AliasSerializer(found[0]).data)
 
-    @extend_schema(request=AliasSerializer, responses=AliasSerializer)
+    @extend_schema(
+        request=AliasSerializer, responses={200: AliasSerializer, 202: ApprovalSerializer}
+    )
     def put(self, request, name: str, alias: str):
+        """Move an alias. Moving ``production`` once it exists is a promotion request (202)."""
         model = _model(request, name)
         body = AliasSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         target = _version(model, body.validated_data["version"])
-        moved = services.set_alias(model, alias, target, updated_by_id=request.caller.user_id)
+        moved = move_alias(model, alias, target, actor_of(request), body.validated_data["comment"])
+        if isinstance(moved, ApprovalRequest):
+            return approval_response(moved)
         return Response(AliasSerializer(moved).data)

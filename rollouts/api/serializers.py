@@ -2,7 +2,8 @@
 
 from rest_framework import serializers
 
-from ..models import AuditEvent, PlanMode, RolloutPlan
+from ..approvals import evidence_of
+from ..models import ApprovalRequest, AuditEvent, PlanMode, RequestKind, RequestState, RolloutPlan
 from ..shadow import shadow_summary
 
 
@@ -25,6 +26,7 @@ class PlanSerializer(serializers.ModelSerializer):
             "candidate",
             "weight",
             "steps",
+            "max_weight",
             "bake_seconds",
             "shadow_sample",
             "routing_header",
@@ -61,6 +63,12 @@ class PlanCreateSerializer(serializers.Serializer):
     steps = serializers.ListField(
         child=serializers.FloatField(min_value=0, max_value=100), required=False
     )
+    max_weight = serializers.FloatField(
+        min_value=0,
+        max_value=100,
+        required=False,
+        help_text="highest weight a person may set directly; above it needs an approval",
+    )
     bake_seconds = serializers.IntegerField(min_value=0, required=False)
     shadow_sample = serializers.FloatField(min_value=0, max_value=1, required=False)
     routing_header = serializers.CharField(max_length=100, required=False)
@@ -82,3 +90,64 @@ class AuditSerializer(serializers.ModelSerializer):
         model = AuditEvent
         fields = ["created_at", "actor_label", "action", "target", "before", "after", "reason"]
         read_only_fields = fields
+
+
+class ApprovalSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    from_version = serializers.IntegerField(
+        source="from_version.version", read_only=True, allow_null=True
+    )
+    to_version = serializers.IntegerField(source="to_version.version", read_only=True)
+    requested_by = serializers.CharField(source="requested_label", read_only=True)
+    decided_by = serializers.CharField(source="decided_label", read_only=True)
+    evidence = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApprovalRequest
+        fields = [
+            "id",
+            "kind",
+            "state",
+            "model",
+            "alias",
+            "plan",
+            "from_version",
+            "to_version",
+            "weight",
+            "requested_by",
+            "comment",
+            "decided_by",
+            "decision_comment",
+            "decided_at",
+            "created_at",
+            "evidence",
+        ]
+        read_only_fields = fields
+
+    def get_evidence(self, req: ApprovalRequest) -> dict | None:
+        # Lists stay cheap: the evidence (several aggregate queries) is on the detail view.
+        return evidence_of(req) if self.context.get("with_evidence") else None
+
+
+class ApprovalFilter(serializers.Serializer):
+    state = serializers.ChoiceField(choices=RequestState.choices, required=False)
+    kind = serializers.ChoiceField(choices=RequestKind.choices, required=False)
+    model = serializers.CharField(required=False)
+
+
+class PromotionSerializer(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1)
+    alias = serializers.CharField(max_length=50, default="production")
+    comment = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class CommentSerializer(serializers.Serializer):
+    comment = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class AuditFilter(serializers.Serializer):
+    action = serializers.CharField(required=False, help_text="exact action, e.g. plan.weight")
+    actor = serializers.CharField(required=False, help_text="actor label contains")
+    q = serializers.CharField(required=False, help_text="target or reason contains")
+    since = serializers.DateTimeField(required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)

@@ -13,21 +13,41 @@ from rest_framework.views import APIView
 from registry.services import models_of
 from tenants.authentication import TenantRolePermission
 
-from .. import actions
-from ..models import AuditEvent, RolloutPlan
+from .. import actions, approvals
+from ..audit import Actor, audit_events
+from ..metrics import metrics_diff, plan_arm_metrics
+from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
+    ApprovalFilter,
+    ApprovalSerializer,
+    AuditFilter,
     AuditSerializer,
+    CommentSerializer,
     PlanCreateSerializer,
     PlanSerializer,
+    PromotionSerializer,
     ReasonSerializer,
     WeightSerializer,
 )
 
 
-def _actor(request) -> actions.Actor:
+def actor_of(request) -> Actor:
+    """The caller as an actor: a user with their tenant role, or an API key (no user)."""
     caller = request.caller
     label = str(request.user) if caller.user_id is None else request.user.get_username()
-    return actions.Actor(caller.user_id, label)
+    return Actor(caller.user_id, label, caller.role)
+
+
+def _valid(serializer_class, data):
+    body = serializer_class(data=data)
+    body.is_valid(raise_exception=True)
+    return body.validated_data
+
+
+def approval_response(req: ApprovalRequest) -> Response:
+    """202: the change waits for an approver."""
+    data = ApprovalSerializer(req, context={"with_evidence": True}).data
+    return Response(data, status=status.HTTP_202_ACCEPTED)
 
 
 def _plan(request, plan_id: int) -> RolloutPlan:
@@ -67,7 +87,7 @@ class PlanListView(APIView):
             data.pop("mode"),
             candidate,
             data.pop("guardrails"),
-            _actor(request),
+            actor_of(request),
             arms=arms,
             **data,
         )
@@ -83,43 +103,163 @@ class PlanDetailView(APIView):
 
 
 class PlanWeightView(APIView):
+    """Set a canary's weight: applied within the plan's ``max_weight``, above it a request."""
+
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
 
-    @extend_schema(request=WeightSerializer, responses=PlanSerializer)
+    @extend_schema(
+        request=WeightSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
+    )
     def post(self, request, plan_id: int):
-        body = WeightSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        plan = actions.set_weight(
-            _plan(request, plan_id),
-            body.validated_data["weight"],
-            _actor(request),
-            body.validated_data["reason"],
+        body = _valid(WeightSerializer, request.data)
+        done = approvals.change_weight(
+            _plan(request, plan_id), body["weight"], actor_of(request), body["reason"]
         )
-        return Response(PlanSerializer(plan).data)
+        if isinstance(done, ApprovalRequest):
+            return approval_response(done)
+        return Response(PlanSerializer(done).data)
 
 
-class PlanKillView(APIView):
-    """The kill switch: 100 % of traffic back to the baseline at once."""
+class PlanActionView(APIView):
+    """A one-step plan action with an optional reason: kill, pause or resume."""
 
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
+    change: staticmethod  # set by each subclass
 
     @extend_schema(request=ReasonSerializer, responses=PlanSerializer)
     def post(self, request, plan_id: int):
-        body = ReasonSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        plan = actions.kill(_plan(request, plan_id), _actor(request), body.validated_data["reason"])
+        body = _valid(ReasonSerializer, request.data)
+        plan = self.change(_plan(request, plan_id), actor_of(request), body["reason"])
         return Response(PlanSerializer(plan).data)
+
+
+class PlanKillView(PlanActionView):
+    """The kill switch: 100 % of traffic back to the baseline at once."""
+
+    change = staticmethod(actions.kill)
+
+
+class PlanPauseView(PlanActionView):
+    """Hold the split; the guardrails leave a paused plan alone."""
+
+    change = staticmethod(actions.pause)
+
+
+class PlanResumeView(PlanActionView):
+    change = staticmethod(actions.resume)
+
+
+class PlanPromotionView(APIView):
+    """Ask for the plan's candidate to be promoted; an approver decides."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(request=CommentSerializer, responses={202: ApprovalSerializer})
+    def post(self, request, plan_id: int):
+        body = _valid(CommentSerializer, request.data)
+        plan = _plan(request, plan_id)
+        req = approvals.request_promotion(
+            plan.model,
+            None,
+            actor_of(request),
+            alias=plan.alias,
+            comment=body["comment"],
+            plan=plan,
+        )
+        return approval_response(req)
+
+
+class PlanMetricsView(APIView):
+    """Per-arm request counts, error rates and latency percentiles since the plan started (or
+    since its current step, with ``?window=step``), and the candidate-minus-baseline diff."""
+
+    permission_classes = [TenantRolePermission]
+
+    def get(self, request, plan_id: int):
+        plan = _plan(request, plan_id)
+        since = plan.step_started_at if request.query_params.get("window") == "step" else None
+        arms = plan_arm_metrics(plan, since)
+        return Response({"plan": plan.pk, "arms": arms, "diff": metrics_diff(arms)})
+
+
+class PromotionListView(APIView):
+    """Ask to point an alias at a version without a plan: a promotion request."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(request=PromotionSerializer, responses={202: ApprovalSerializer})
+    def post(self, request, name: str):
+        model = get_object_or_404(models_of(request.caller.tenant_id), name=name)
+        body = _valid(PromotionSerializer, request.data)
+        version = model.versions.filter(version=body["version"]).first()
+        if version is None:
+            raise NotFound(f"model {name!r} has no version {body['version']}")
+        req = approvals.request_promotion(
+            model, version, actor_of(request), alias=body["alias"], comment=body["comment"]
+        )
+        return approval_response(req)
+
+
+def _requests(request):
+    return ApprovalRequest.objects.select_related(
+        "model", "plan", "from_version", "to_version"
+    ).filter(tenant_id=request.caller.tenant_id)
+
+
+class ApprovalListView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[ApprovalFilter], responses=ApprovalSerializer(many=True))
+    def get(self, request):
+        where = _valid(ApprovalFilter, request.query_params)
+        found = _requests(request)
+        if "model" in where:
+            found = found.filter(model__name=where.pop("model"))
+        found = found.filter(**where)
+        return Response(ApprovalSerializer(found[:200], many=True).data)
+
+
+class ApprovalDetailView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=ApprovalSerializer)
+    def get(self, request, request_id: int):
+        req = get_object_or_404(_requests(request), pk=request_id)
+        return Response(ApprovalSerializer(req, context={"with_evidence": True}).data)
+
+
+class ApprovalDecisionView(APIView):
+    """Approve or reject: an approver who is not the requester; 409 when it lost a race."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+    decide: staticmethod  # set by each subclass
+
+    @extend_schema(request=CommentSerializer, responses=ApprovalSerializer)
+    def post(self, request, request_id: int):
+        body = _valid(CommentSerializer, request.data)
+        req = get_object_or_404(_requests(request), pk=request_id)
+        decided = self.decide(req, actor_of(request), body["comment"])
+        return Response(ApprovalSerializer(decided, context={"with_evidence": True}).data)
+
+
+class ApproveView(ApprovalDecisionView):
+    decide = staticmethod(approvals.approve)
+
+
+class RejectView(ApprovalDecisionView):
+    decide = staticmethod(approvals.reject)
 
 
 class AuditView(APIView):
     permission_classes = [TenantRolePermission]
 
-    @extend_schema(responses=AuditSerializer(many=True))
+    @extend_schema(parameters=[AuditFilter], responses=AuditSerializer(many=True))
     def get(self, request):
-        events = AuditEvent.objects.filter(tenant_id=request.caller.tenant_id)
-        action = request.query_params.get("action")
-        if action:
-            events = events.filter(action=action)
-        return Response(AuditSerializer(events[:500], many=True).data)
+        where = _valid(AuditFilter, request.query_params)
+        events = audit_events(request.caller.tenant_id, where)[: where["limit"]]
+        return Response(AuditSerializer(events, many=True).data)

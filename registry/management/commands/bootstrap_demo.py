@@ -17,6 +17,7 @@ from gateway.nodes import create_node, rotate_node_token
 from registry.demo import FEATURE_NAMES, train_fraud_model
 from registry.models import Model, TaskKind
 from registry.services import create_version, set_alias
+from rollouts.audit import user_actor
 from tenants.keys import create_api_key, identify_key
 from tenants.models import Membership, Quota, Role, Tenant
 
@@ -49,7 +50,7 @@ class Command(BaseCommand):
 
         api_key = saved.get("api_key")
         if not api_key or identify_key(api_key) is None:
-            _, api_key = create_api_key(tenant, "demo key", created_by=admin)
+            _, api_key = create_api_key(tenant, "demo key", user_actor(admin))
 
         node = Node.objects.filter(name="local").first()
         node_token = saved.get("node_token")
@@ -74,7 +75,7 @@ class Command(BaseCommand):
                 description="trained by bootstrap_demo on generated data",
                 **details,
             )
-            set_alias(model, "production", version, updated_by_id=admin.pk)
+            set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
         return {
             "admin_user": "admin",
             "admin_password": password if admin.check_password(password) else "(unchanged)",

@@ -5,6 +5,7 @@ import json as jsonlib
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
+from rollouts.audit import Actor
 from tenants.keys import create_api_key
 from tenants.models import Quota, Tenant
 
@@ -26,7 +27,7 @@ class Command(BaseCommand):
         with transaction.atomic():
             tenant = Tenant.objects.create(slug=slug, name=name or slug)
             Quota.objects.create(tenant=tenant, requests_per_second=rps, burst=burst)
-            _, raw = create_api_key(tenant, key_name)
+            _, raw = create_api_key(tenant, key_name, Actor(None, "create_tenant command"))
         if json:
             self.stdout.write(_dumps({"tenant": slug, "api_key": raw}))
         else:

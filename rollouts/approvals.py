@@ -1,0 +1,278 @@
+"""Approvals: changes that need a second person, decided under row locks with the evidence
+frozen at the decision.
+
+- Moving a protected alias (``production``) that already points somewhere is a promotion
+  request; so is a plan reaching its last step healthy. A plan's promotion may be approved
+  at any time: the guardrails promote it once its last step is healthy past its bake time.
+- A person setting a canary weight above the plan's ``max_weight`` makes a weight request.
+
+Only a member with the approver role who is not the requester decides. Every transition locks
+the plan, then the alias, then the request (one order everywhere, so no deadlocks), so two
+approvals racing each other or a rollback end in exactly one transition; the loser gets
+``Conflict`` (409).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from platform_site.errors import Conflict, Forbidden
+from registry.models import Alias, Model, ModelVersion
+from registry.services import set_alias
+from tenants.models import Role
+
+from . import actions
+from .audit import Actor, audit
+from .metrics import arm_stats, metrics_diff, plan_arm_metrics
+from .models import (
+    ACTIVE_STATES,
+    ApprovalRequest,
+    PlanMode,
+    PlanState,
+    RequestKind,
+    RequestState,
+    RolloutPlan,
+)
+from .shadow import shadow_summary
+
+PROTECTED_ALIASES = ("production",)
+GUARDRAILS = Actor(None, "guardrails")
+# Without a plan, a promotion's evidence is each version's live traffic over this window.
+DIRECT_WINDOW = timedelta(hours=1)
+
+
+def needs_approval(model: Model, alias: str) -> bool:
+    """Moving a protected alias needs approval, except its very first pointer (nothing to
+    protect yet, and how a new model gets its first version into service)."""
+    return alias in PROTECTED_ALIASES and model.aliases.filter(name=alias).exists()
+
+
+def move_alias(
+    model: Model, alias: str, version: ModelVersion, actor: Actor, comment: str = ""
+) -> Alias | ApprovalRequest:
+    """An alias move as a person asks for it: direct, or a promotion request when protected."""
+    if needs_approval(model, alias):
+        return request_promotion(model, version, actor, alias=alias, comment=comment)
+    return set_alias(model, alias, version, actor, comment)
+
+
+def change_weight(
+    plan: RolloutPlan, weight: float, actor: Actor, reason: str = ""
+) -> RolloutPlan | ApprovalRequest:
+    """A canary weight as a person sets it: direct within the plan's bounds, else a request."""
+    if weight > plan.max_weight:
+        return _open_request(
+            plan.model, plan.alias, RequestKind.WEIGHT, actor, reason, plan, weight
+        )
+    return actions.set_weight(plan, weight, actor, reason)
+
+
+def request_promotion(
+    model: Model,
+    version: ModelVersion | None,
+    actor: Actor,
+    *,
+    alias: str = "production",
+    comment: str = "",
+    plan: RolloutPlan | None = None,
+) -> ApprovalRequest:
+    """Ask to point ``alias`` at ``version`` (or at ``plan``'s candidate)."""
+    if plan is None:
+        active = model.plans.filter(alias=alias, state__in=ACTIVE_STATES).first()
+        if active is not None:
+            raise Conflict(
+                f"{alias!r} has an active rollout plan (#{active.pk}): "
+                "request the promotion through the plan"
+            )
+    return _open_request(model, alias, RequestKind.PROMOTION, actor, comment, plan, None, version)
+
+
+def _open_request(
+    model: Model,
+    alias: str,
+    kind: str,
+    actor: Actor,
+    comment: str,
+    plan: RolloutPlan | None,
+    weight: float | None,
+    version: ModelVersion | None = None,
+) -> ApprovalRequest:
+    if plan is not None:
+        if not plan.is_active:
+            raise Conflict(f"the plan is {plan.state}")
+        version = plan.candidate
+    current = model.aliases.filter(name=alias).values_list("version_id", flat=True).first()
+    if version is None or version.model_id != model.pk:
+        raise ValidationError({"version": "must be a version of this model"})
+    if plan is None and current == version.pk:
+        raise ValidationError({"version": f"{alias!r} already points at v{version.version}"})
+    req = ApprovalRequest(
+        tenant_id=model.tenant_id,
+        model=model,
+        alias=alias,
+        kind=kind,
+        plan=plan,
+        from_version_id=current,
+        to_version=version,
+        weight=weight,
+        requested_by_id=actor.user_id,
+        requested_label=actor.label,
+        comment=comment,
+    )
+    try:
+        with transaction.atomic():
+            req.save()
+            audit(
+                model.tenant_id,
+                actor,
+                "approval.request",
+                str(req),
+                after=req.snapshot(),
+                reason=comment,
+            )
+    except IntegrityError:
+        raise Conflict(f"{model.name}@{alias} already has an open {kind} request") from None
+    return req
+
+
+def approve(req: ApprovalRequest, actor: Actor, comment: str = "") -> ApprovalRequest:
+    return _decide(req, actor, comment, approved=True)
+
+
+def reject(req: ApprovalRequest, actor: Actor, comment: str = "") -> ApprovalRequest:
+    return _decide(req, actor, comment, approved=False)
+
+
+def _decide(req: ApprovalRequest, actor: Actor, comment: str, approved: bool) -> ApprovalRequest:
+    if actor.role != Role.APPROVER or actor.user_id is None:
+        raise Forbidden("only a member with the approver role can decide a request")
+    if actor.user_id == req.requested_by_id:
+        raise Forbidden("you cannot decide your own request: another approver must")
+    with transaction.atomic():
+        plan = None
+        if req.plan_id is not None:
+            plan = RolloutPlan.objects.select_for_update().get(pk=req.plan_id)
+        alias = Alias.objects.select_for_update().filter(model_id=req.model_id, name=req.alias)
+        current = alias.values_list("version_id", flat=True).first()
+        locked = ApprovalRequest.objects.select_for_update().get(pk=req.pk)
+        if locked.state != RequestState.PENDING:
+            raise Conflict(f"request #{locked.pk} is already {locked.state}")
+        before = locked.snapshot()
+        locked.evidence = evidence_now(locked)  # frozen with the decision
+        locked.decided_by_id = actor.user_id
+        locked.decided_label = actor.label
+        locked.decision_comment = comment
+        locked.decided_at = timezone.now()
+        if approved:
+            _check_still_holds(locked, plan, current)
+            locked.state = _carry_out(locked, plan, actor, comment)
+        else:
+            locked.state = RequestState.REJECTED
+        locked.save()
+        action = "approval.approve" if approved else "approval.reject"
+        audit(locked.tenant_id, actor, action, str(locked), before, locked.snapshot(), comment)
+    return locked
+
+
+def _check_still_holds(req: ApprovalRequest, plan: RolloutPlan | None, current: int | None):
+    """What was asked is still what would happen: else approving it would approve something
+    nobody looked at."""
+    if plan is not None:
+        if not plan.is_active:
+            raise Conflict(f"the plan is {plan.state}: the request no longer holds")
+        if plan.candidate_id != req.to_version_id:
+            raise Conflict("the plan's candidate changed: the request no longer holds")
+    elif current != req.from_version_id:
+        raise Conflict(f"{req.alias!r} moved since the request: it no longer holds")
+
+
+def _carry_out(req: ApprovalRequest, plan: RolloutPlan | None, actor: Actor, comment: str) -> str:
+    reason = f"approved request #{req.pk}" + (f": {comment}" if comment else "")
+    if req.kind == RequestKind.WEIGHT:
+        actions.set_weight(plan, req.weight, actor, reason)
+        return RequestState.APPLIED
+    if plan is None:
+        set_alias(req.model, req.alias, req.to_version, actor, reason)
+        return RequestState.APPLIED
+    # A plan's promotion is the guardrails' to carry out: once its last step is healthy past
+    # its bake time (at once if it already is: the next evaluation is seconds away).
+    return RequestState.APPROVED
+
+
+def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
+    """The guardrails found the last step healthy: promote if approved, else ask (once).
+    Returns (promoted, what happened)."""
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if locked.state != PlanState.RUNNING:
+            return False, f"the plan is {locked.state}"
+        req = (
+            ApprovalRequest.objects.select_for_update()
+            .filter(plan=locked, kind=RequestKind.PROMOTION, state__in=["pending", "approved"])
+            .first()
+        )
+        if req is not None and req.state == RequestState.APPROVED:
+            if req.to_version_id != locked.candidate_id:
+                raise Conflict("the plan's candidate changed: the approval no longer holds")
+            actions.promote(locked, GUARDRAILS, f"{reason}; approved request #{req.pk}")
+            req.state = RequestState.APPLIED
+            req.save(update_fields=["state"])
+            return True, f"promoted: approved request #{req.pk}"
+        if req is None:
+            req = request_promotion(
+                locked.model, None, GUARDRAILS, alias=locked.alias, comment=reason, plan=locked
+            )
+        note = f"healthy at the last step: waiting for approval (request #{req.pk})"
+        RolloutPlan.objects.filter(pk=locked.pk).update(status_note=note)
+        return False, note
+
+
+def evidence_now(req: ApprovalRequest) -> dict:
+    """Per-arm metrics and their diff, the shadow agreement, offline metrics and drift."""
+    offline = {
+        "baseline": req.from_version.offline_metrics if req.from_version else None,
+        "candidate": req.to_version.offline_metrics,
+    }
+    plan = req.plan
+    if plan is None:
+        # The latest plan that tried this version on this alias says how it did live.
+        plan = (
+            req.model.plans.filter(alias=req.alias, candidate=req.to_version)
+            .order_by("-created_at")
+            .first()
+        )
+    if plan is not None:
+        arms = plan_arm_metrics(plan)
+        since = plan.created_at
+    else:
+        since = timezone.now() - DIRECT_WINDOW
+        pairs = [("baseline", req.from_version), ("candidate", req.to_version)]
+        arms = [
+            {"arm": name, "version": v.version, "weight": None} | arm_stats(v.pk, since).as_dict()
+            for name, v in pairs
+            if v is not None
+        ]
+    shadow = shadow_summary(plan) if plan is not None and plan.mode == PlanMode.SHADOW else None
+    return {
+        "at": timezone.now().isoformat(),
+        "since": since.isoformat(),
+        "plan": plan.pk if plan is not None else None,
+        "arms": arms,
+        "diff": metrics_diff(arms),
+        "shadow": shadow,
+        "offline_metrics": offline,
+        "drift": None,  # drift detection is not built yet
+    }
+
+
+def evidence_of(req: ApprovalRequest) -> dict:
+    """Frozen evidence once decided; live while pending."""
+    return req.evidence if req.evidence is not None else evidence_now(req)
+
+
+def pending_count(tenant_id: int) -> int:
+    return ApprovalRequest.objects.filter(tenant_id=tenant_id, state=RequestState.PENDING).count()
