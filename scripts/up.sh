@@ -19,7 +19,9 @@ chmod 600 var/node-token
 cat <<MSG
 
   Switchyard is starting on http://127.0.0.1:${PORT}
-  Admin:      http://127.0.0.1:${PORT}/admin/   user: admin   password: $(get admin_password)
+  Web UI:     http://127.0.0.1:${PORT}/   sign in as
+                engineer / $(get engineer_password)   (engineer: canaries, promotion requests)
+                admin / $(get admin_password)   (approver and Django admin at /admin/)
   API docs:   http://127.0.0.1:${PORT}/api/docs/
   Demo key:   $(get api_key)
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector

@@ -1,4 +1,5 @@
-"""Set up the embedded demo: admin user, demo tenant and key, a node, the fraud model serving.
+"""Set up the embedded demo: admin (an approver) and engineer users, demo tenant and key, a node,
+the fraud model serving.
 
 Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` so the
 start script can print them and hand the node token to the local agent.
@@ -47,6 +48,14 @@ class Command(BaseCommand):
         Membership.objects.get_or_create(
             tenant=tenant, user=admin, defaults={"role": Role.APPROVER}
         )
+        # A second person: promotions need an approver other than the requester.
+        engineer_password = saved.get("engineer_password") or secrets.token_urlsafe(12)
+        engineer = User.objects.filter(username="engineer").first()
+        if engineer is None:
+            engineer = User.objects.create_user("engineer", password=engineer_password)
+        Membership.objects.get_or_create(
+            tenant=tenant, user=engineer, defaults={"role": Role.ENGINEER}
+        )
 
         api_key = saved.get("api_key")
         if not api_key or identify_key(api_key) is None:
@@ -79,6 +88,10 @@ class Command(BaseCommand):
         return {
             "admin_user": "admin",
             "admin_password": password if admin.check_password(password) else "(unchanged)",
+            "engineer_user": "engineer",
+            "engineer_password": engineer_password
+            if engineer.check_password(engineer_password)
+            else "(unchanged)",
             "api_key": api_key,
             "node_token": node_token,
             "tenant": tenant.slug,
