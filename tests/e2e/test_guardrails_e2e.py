@@ -1,12 +1,15 @@
-"""Auto-rollback with real processes: a slow candidate under a canary is rolled back by the
-Celery beat task, traffic returns to the baseline, and the audit log says why."""
+"""Guardrails with real processes: a slow candidate under a canary is rolled back by the Celery
+beat task, traffic returns to the baseline, and the audit log says why; a healthy one climbs to
+100 %, waits for an approver, and is promoted by the beat task once approved."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from .conftest import plan_towards_slow_candidate, platform_with_agent
+from tests.onnx_models import small_onnx
+
+from .conftest import plan_towards_slow_candidate, platform_with_agent, upload_and_promote
 from .harness import create_tenant, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -51,3 +54,62 @@ def test_slow_candidate_is_rolled_back_by_the_beat_task(backend_name, tmp_path):
                 return True
 
             wait_until(all_on_baseline, 10)
+
+
+APPROVE_PENDING = """
+from django.contrib.auth import get_user_model
+from rollouts.approvals import approve
+from rollouts.audit import user_actor
+from rollouts.models import ApprovalRequest
+from tenants.models import Membership, Role, Tenant
+user = get_user_model().objects.create_user("ann")
+Membership.objects.create(tenant=Tenant.objects.get(slug="t"), user=user, role=Role.APPROVER)
+req = ApprovalRequest.objects.get(state="pending")
+print(approve(req, user_actor(user, Role.APPROVER), "numbers look fine").state)
+"""
+
+
+@pytest.mark.parametrize("backend_name", ["embedded", "services"])
+def test_healthy_candidate_is_promoted_by_the_beat_task_once_approved(backend_name, tmp_path):
+    env = {"SWITCHYARD_GUARDRAIL_INTERVAL_S": "1"}
+    with platform_with_agent(backend_name, tmp_path, env, celery=True) as (backend, url, procs):
+        key = create_tenant(backend, "t")
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            upload_and_promote(c, "clf", small_onnx())
+            files = {"artifact": ("v2.onnx", small_onnx(seed=3), "application/octet-stream")}
+            assert c.post("/api/v1/models/clf/versions", files=files).status_code == 201
+            guardrails = {"max_error_rate_increase": 0.05, "max_p99_ratio": 50, "min_samples": 20}
+            body = {"mode": "canary", "candidate": 2, "weight": 50, "steps": [50, 100]}
+            body |= {"bake_seconds": 1, "guardrails": guardrails}
+            plan = c.post("/api/v1/models/clf/rollouts", json=body).json()
+            wait_until(lambda: c.get("/v2/models/clf/versions/2/ready").status_code == 200, 60)
+
+            def detail() -> dict:
+                return c.get(f"/api/v1/rollouts/{plan['id']}").json()
+
+            def serve_then(check) -> bool:
+                for i in range(40):
+                    r = c.post("/v2/models/clf/infer", json=BODY, headers={"X-User-Id": f"u{i}"})
+                    assert r.status_code == 200, r.text
+                return check()
+
+            # 50 % → 100 % on its own, then it waits: promotion needs an approver.
+            waiting = lambda: "waiting for approval" in detail()["status_note"]  # noqa: E731
+            try:
+                wait_until(lambda: serve_then(waiting), 60, procs[-1], interval=0.5)
+            except TimeoutError:
+                pytest.fail(f"never asked for approval: {detail()}")
+            assert detail()["weight"] == 100 and detail()["state"] == "running"
+            pending = c.get("/api/v1/approvals", params={"state": "pending"}).json()
+            assert [(p["kind"], p["requested_by"]) for p in pending] == [
+                ("promotion", "guardrails")
+            ]
+            assert backend.shell(APPROVE_PENDING).strip() == "approved"
+
+            wait_until(lambda: detail()["state"] == "promoted", 30, procs[-1], interval=0.5)
+            assert c.get("/api/v1/models/clf/aliases/production").json()["version"] == 2
+            r = c.post("/v2/models/clf/infer", json=BODY, headers={"X-User-Id": "u1"})
+            assert r.json()["model_version"] == "2"
+            promote = c.get("/api/v1/audit", params={"action": "plan.promote"}).json()
+            assert promote[0]["actor_label"] == "guardrails"
