@@ -115,6 +115,9 @@ class VersionDetailView(APIView):
         updated = services.update_serving_settings(found, dict(changes.validated_data))
         return Response(VersionSerializer(updated).data)
 
+    @extend_schema(
+        request=None, responses={400: None}, description="Always 400: versions are immutable."
+    )
     def put(self, request, name: str, version: int):
         _version(_model(request, name), version)
         raise ValidationError(

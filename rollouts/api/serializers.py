@@ -151,3 +151,23 @@ class AuditFilter(serializers.Serializer):
     q = serializers.CharField(required=False, help_text="target or reason contains")
     since = serializers.DateTimeField(required=False)
     limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
+
+
+class ArmMetricsSerializer(serializers.Serializer):
+    arm = serializers.CharField()
+    version = serializers.IntegerField()
+    weight = serializers.FloatField()
+    requests = serializers.IntegerField()
+    errors = serializers.IntegerField()
+    error_rate = serializers.FloatField()
+    p50_ms = serializers.FloatField(allow_null=True)
+    p95_ms = serializers.FloatField(allow_null=True)
+    p99_ms = serializers.FloatField(allow_null=True, help_text="null: above the last bucket")
+
+
+class PlanMetricsSerializer(serializers.Serializer):
+    plan = serializers.IntegerField()
+    arms = ArmMetricsSerializer(many=True)
+    diff = serializers.DictField(
+        child=serializers.FloatField(), allow_null=True, help_text="candidate minus baseline"
+    )

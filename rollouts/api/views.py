@@ -24,6 +24,7 @@ from .serializers import (
     AuditSerializer,
     CommentSerializer,
     PlanCreateSerializer,
+    PlanMetricsSerializer,
     PlanSerializer,
     PromotionSerializer,
     ReasonSerializer,
@@ -178,6 +179,7 @@ class PlanMetricsView(APIView):
 
     permission_classes = [TenantRolePermission]
 
+    @extend_schema(responses=PlanMetricsSerializer)
     def get(self, request, plan_id: int):
         plan = _plan(request, plan_id)
         since = plan.step_started_at if request.query_params.get("window") == "step" else None
