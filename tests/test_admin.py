@@ -8,6 +8,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from gateway.models import Node
 from gateway.nodes import authenticate_node
 from registry.models import ModelVersion
+from rollouts.models import AuditEvent
 from tenants.keys import identify_key
 from tenants.models import ApiKey
 from tests.factories import make_model, make_tenant
@@ -45,6 +46,23 @@ def test_revoking_keys_from_the_admin(admin_client, db):
     admin_client.post("/admin/tenants/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
     key.refresh_from_db()
     assert key.revoked_at is not None
+    events = AuditEvent.objects.filter(tenant=tenant)
+    assert [(e.action, e.actor_label) for e in events] == [
+        ("key.revoke", "root"),
+        ("key.create", "root"),
+    ]
+
+
+def test_audit_and_approvals_are_read_only_in_the_admin(admin_client, db):
+    tenant = make_tenant("acme")
+    admin_client.post("/admin/tenants/apikey/add/", {"tenant": tenant.pk, "name": "ci"})
+    event = AuditEvent.objects.get()
+    assert admin_client.get("/admin/rollouts/auditevent/?action=key.create").status_code == 200
+    page = admin_client.get(f"/admin/rollouts/auditevent/{event.pk}/change/").content.decode()
+    assert 'name="_save"' not in page
+    assert admin_client.get("/admin/rollouts/auditevent/add/").status_code == 403
+    assert admin_client.get("/admin/rollouts/approvalrequest/").status_code == 200
+    assert admin_client.get("/admin/rollouts/approvalrequest/add/").status_code == 403
 
 
 def test_creating_a_node_in_the_admin_shows_its_token_once(admin_client, db):
