@@ -64,6 +64,8 @@ def change_weight(
     plan: RolloutPlan, weight: float, actor: Actor, reason: str = ""
 ) -> RolloutPlan | ApprovalRequest:
     """A canary weight as a person sets it: direct within the plan's bounds, else a request."""
+    if plan.mode != PlanMode.CANARY:
+        raise ValidationError({"weight": "only canary plans have a single weight"})
     if weight > plan.max_weight:
         return _open_request(
             plan.model, plan.alias, RequestKind.WEIGHT, actor, reason, plan, weight

@@ -271,6 +271,10 @@ def test_bad_input_is_a_clear_400(team):
     same = engineer.post("/api/v1/models/clf/promotions", {"version": 1}, format="json")
     assert same.status_code == 400 and "already points at v1" in same.json()["error"]
     assert engineer.get("/api/v1/audit?limit=0").status_code == 400
+    shadow = start_canary(engineer, mode="shadow")
+    not_canary = engineer.post(f"/api/v1/rollouts/{shadow}/weight", {"weight": 80})
+    assert not_canary.status_code == 400 and "only canary" in not_canary.json()["error"]
+    assert not ApprovalRequest.objects.filter(kind="weight").exists()
 
 
 # Races: real PostgreSQL row locks, real threads, each with its own connection.
