@@ -110,4 +110,10 @@ def test_other_tenant_gets_404_on_every_rollout_endpoint(world, two_versions):
         == 404
     )
     assert other.post(f"/api/v1/rollouts/{plan_id}/kill", {}, format="json").status_code == 404
+    for action in ("pause", "resume", "promotion"):
+        url = f"/api/v1/rollouts/{plan_id}/{action}"
+        assert other.post(url, {}, format="json").status_code == 404, action
+    assert other.get(f"/api/v1/rollouts/{plan_id}/metrics").status_code == 404
+    promotion = {"version": 2}
+    assert other.post("/api/v1/models/clf/promotions", promotion, format="json").status_code == 404
     assert {e["action"] for e in other.get("/api/v1/audit").json()} == {"key.create"}
