@@ -1,9 +1,19 @@
+from channels.auth import AuthMiddlewareStack
+from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
 from serving_agent.protocol import AGENT_WS_PATH
 
 from .consumers import AgentConsumer
+from .live import LiveConsumer
 
 websocket_urlpatterns = [
     path(AGENT_WS_PATH.lstrip("/"), AgentConsumer.as_asgi()),
+    # The UI's socket rides on the session cookie, so it checks the Origin against ALLOWED_HOSTS
+    # (no other site may open it with a user's cookie); agents send no Origin, so the check and
+    # the session lookup wrap this route only.
+    path(
+        "ws/ui/live/",
+        AllowedHostsOriginValidator(AuthMiddlewareStack(LiveConsumer.as_asgi())),
+    ),
 ]

@@ -1,18 +1,221 @@
-"""The web UI's start page: models, aliases and the fleet at a glance."""
+"""The web UI's pages. Views only pick the tenant, look up through it and render; every change
+goes through the REST API from the page's JavaScript, so the UI has no second write path."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
 
 from django.contrib.auth.decorators import login_required
-from django.shortcuts import render
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
-from registry.models import Alias
+from registry.services import models_of
+from rollouts.approvals import evidence_of, pending_count
+from rollouts.audit import audit_events
+from rollouts.models import ApprovalRequest, AuditEvent, PlanMode, RequestState, RolloutPlan
+from tenants.models import Role
 
-from .models import AgentSession
+from .web_data import dashboard_snapshot, plan_snapshot
+from .web_tenancy import SESSION_KEY, can_write, memberships_of, tenant_view
+
+AUDIT_PAGE_SIZE = 50
+LIST_PAGES = ("/", "/approvals/", "/audit/")
 
 
-@login_required(login_url="/admin/login/")
-def home(request):
-    tenant_ids = request.user.memberships.values_list("tenant_id", flat=True)
-    aliases = Alias.objects.select_related("model__tenant", "version").order_by("model__name")
-    if not request.user.is_superuser:
-        aliases = aliases.filter(model__tenant_id__in=tenant_ids)
-    sessions = AgentSession.objects.select_related("node").filter(disconnected_at__isnull=True)
-    return render(request, "home.html", {"aliases": aliases, "sessions": sessions})
+def page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
+    """Render with what the layout needs: the tenant switcher, the role and the inbox count."""
+    membership = request.membership
+    return render(
+        request,
+        template,
+        {
+            "membership": membership,
+            "tenant": membership.tenant,
+            "memberships": request.memberships,
+            "can_write": can_write(membership),
+            "pending_count": pending_count(membership.tenant_id),
+            **context,
+        },
+    )
+
+
+@tenant_view
+def home(request: HttpRequest) -> HttpResponse:
+    return page(request, "home.html", {"snapshot": dashboard_snapshot(_tenant_id(request))})
+
+
+@tenant_view
+def model_detail(request: HttpRequest, name: str) -> HttpResponse:
+    model = get_object_or_404(models_of(_tenant_id(request)), name=name)
+    versions = model.versions.select_related("parent").order_by("-version")
+    aliases = model.aliases.select_related("version").order_by("name")
+    production = next((a for a in aliases if a.name == "production"), None)
+    plans = model.plans.select_related("baseline", "candidate")
+    active = next((p for p in plans if p.is_active), None)
+    return page(
+        request,
+        "model.html",
+        {
+            "model": model,
+            "versions": versions,
+            "aliases": aliases,
+            "plans": plans,
+            "active_plan": active,
+            # A canary moves production from the version it points at towards another one.
+            "candidates": [v for v in versions if production and v.pk != production.version_id],
+        },
+    )
+
+
+@tenant_view
+def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
+    plan = get_object_or_404(
+        RolloutPlan.objects.select_related("model", "baseline", "candidate", "created_by"),
+        pk=plan_id,
+        model__tenant_id=_tenant_id(request),
+    )
+    return page(
+        request,
+        "rollout.html",
+        {
+            "plan": plan,
+            "is_canary": plan.mode == PlanMode.CANARY,
+            "snapshot": plan_snapshot(plan),
+        },
+    )
+
+
+@tenant_view
+def approvals(request: HttpRequest) -> HttpResponse:
+    rows = ApprovalRequest.objects.filter(tenant_id=_tenant_id(request)).select_related(
+        "model", "from_version", "to_version"
+    )
+    return page(
+        request,
+        "approvals.html",
+        {
+            "pending": rows.filter(state=RequestState.PENDING),
+            "decided": rows.exclude(state=RequestState.PENDING)[:25],
+        },
+    )
+
+
+@tenant_view
+def approval_detail(request: HttpRequest, approval_id: int) -> HttpResponse:
+    approval = get_object_or_404(
+        ApprovalRequest.objects.select_related("model", "plan", "from_version", "to_version"),
+        pk=approval_id,
+        tenant_id=_tenant_id(request),
+    )
+    own = approval.requested_by_id == request.user.pk
+    return page(
+        request,
+        "approval.html",
+        {
+            "approval": approval,
+            "evidence": evidence_display(evidence_of(approval)),
+            "own_request": own,
+            "may_decide": approval.state == RequestState.PENDING
+            and request.membership.role == Role.APPROVER
+            and not own,
+        },
+    )
+
+
+@tenant_view
+def audit(request: HttpRequest) -> HttpResponse:
+    filters = {k: request.GET.get(k, "").strip() for k in ("action", "actor", "q")}
+    events = audit_events(_tenant_id(request), filters)
+    events_page = Paginator(events, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    actions = AuditEvent.objects.filter(tenant_id=_tenant_id(request)).values_list("action")
+    return page(
+        request,
+        "audit.html",
+        {
+            "page_obj": events_page,
+            "rows": [(e, changes(e.before, e.after)) for e in events_page],
+            "filters": filters,
+            "query": urlencode({k: v for k, v in filters.items() if v}),
+            "actions": actions.order_by("action").distinct().values_list("action", flat=True),
+        },
+    )
+
+
+@login_required
+@require_POST
+def switch_tenant(request: HttpRequest) -> HttpResponse:
+    """Remember the chosen tenant; only one the user is a member of."""
+    slug = request.POST.get("tenant", "")
+    chosen = next((m for m in memberships_of(request.user) if m.tenant.slug == slug), None)
+    if chosen is not None:
+        request.session[SESSION_KEY] = chosen.tenant_id
+    back = request.POST.get("next", "/")
+    # Pages of the old tenant's objects would 404 in the new one: only the lists are kept.
+    return redirect(back if back in LIST_PAGES else "/")
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.2f} %"
+
+
+def _ms(x: float | None) -> str:
+    return "> 10 s" if x is None else f"{x:g} ms"  # None: the histogram's open-ended bucket
+
+
+def _weight(arm: dict) -> str:
+    if arm["arm"] == "shadow":
+        return "copy"
+    return "–" if arm["weight"] is None else f"{arm['weight']:g} %"  # None: no plan, no split
+
+
+ARM_FORMATS = {"error_rate": _pct, "p50_ms": _ms, "p95_ms": _ms, "p99_ms": _ms}
+
+
+def evidence_display(evidence: dict) -> dict:
+    """Evidence numbers as an approver reads them: percentages, milliseconds, signed diffs."""
+    arms = [
+        {
+            "arm": arm["arm"],
+            "version": arm["version"],
+            "weight": _weight(arm),
+            "requests": arm["requests"],
+            "errors": arm["errors"],
+            # Without requests the percentiles are meaningless zeros.
+            **{k: fmt(arm[k]) if arm["requests"] else "–" for k, fmt in ARM_FORMATS.items()},
+        }
+        for arm in evidence.get("arms") or []
+    ]
+    diff = evidence.get("diff")
+    if diff is not None:
+        diff = {
+            "error_rate": f"{diff['error_rate'] * 100:+.2f} pp" if "error_rate" in diff else "–",
+            **{k: f"{diff[k]:+g} ms" if k in diff else "–" for k in ("p50_ms", "p95_ms", "p99_ms")},
+        }
+    shadow = evidence.get("shadow")
+    if shadow is not None:
+        rate = shadow.get("agreement_rate")
+        shadow = (
+            "no copies compared yet"
+            if rate is None
+            else f"{rate * 100:.1f} % of {shadow['answered']} copies agreed "
+            f"({shadow['failed']} failed)"
+        )
+    return {
+        "arms": arms,
+        "diff": diff,
+        "shadow": shadow,
+        "drift": evidence.get("drift"),
+        "offline": evidence.get("offline_metrics") or {},
+    }
+
+
+def changes(before: dict, after: dict) -> list[tuple[str, object, object]]:
+    """(key, before, after) for the keys an audit event changed, for a compact display."""
+    keys = list(dict.fromkeys([*before, *after]))
+    return [(k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)]
+
+
+def _tenant_id(request: HttpRequest) -> int:
+    return request.membership.tenant_id

@@ -1,5 +1,20 @@
+from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import web
 
-urlpatterns = [path("", web.home, name="home")]
+urlpatterns = [
+    path("", web.home, name="home"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
+    path("tenant/", web.switch_tenant, name="switch-tenant"),
+    path("models/<str:name>/", web.model_detail, name="model"),
+    path("rollouts/<int:plan_id>/", web.rollout_detail, name="rollout"),
+    path("approvals/", web.approvals, name="approvals"),
+    path("approvals/<int:approval_id>/", web.approval_detail, name="approval"),
+    path("audit/", web.audit, name="audit"),
+]

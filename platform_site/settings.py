@@ -7,6 +7,7 @@ layer, an in-process rate limiter and a file-based Celery broker under ``var/``.
 """
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import dj_database_url
@@ -146,6 +147,8 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # Auth and i18n -----------------------------------------------------------------------------
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
@@ -157,6 +160,11 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
+# The web UI's CSS/JS, and Plotly's bundle from the installed package: no CDN on closed networks.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("vendor", Path(find_spec("plotly").origin).parent / "package_data"),
+]
 MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024

@@ -96,24 +96,3 @@ def test_uploading_a_version_in_the_admin_checks_the_artifact(admin_client, db, 
     assert good.status_code == 302
     version = ModelVersion.objects.get()
     assert version.inputs[0]["name"] == "x" and version.max_batch_size == 8
-
-
-def test_start_page_lists_served_models_for_members(admin_client, db, onnx_bytes):
-    from tests.factories import make_version
-
-    make_version(make_model(make_tenant("acme"), "clf"), onnx_bytes)
-    page = admin_client.get("/").content.decode()
-    assert "clf" in page and "production" in page
-
-
-def test_start_page_hides_other_tenants_models(client, db, onnx_bytes):
-    from tests.factories import make_member, make_version
-
-    make_version(make_model(make_tenant("acme"), "secret-model"), onnx_bytes)
-    client.force_login(make_member(make_tenant("beta"), "beta-user", "viewer"))
-    page = client.get("/").content.decode()
-    assert "secret-model" not in page and "No aliases yet" in page
-
-
-def test_start_page_needs_a_login(client, db):
-    assert client.get("/").status_code == 302

@@ -1,0 +1,146 @@
+// Switchyard UI helpers shared by every page: REST calls with the session's CSRF token and
+// tenant, the live socket, number formatting and the traffic split bar.
+"use strict";
+
+const Sy = (() => {
+  const ARM_COLORS = { baseline: "#4c6ef5", candidate: "#f08c00", shadow: "#ae3ec9", all: "#4c6ef5" };
+  const PALETTE = ["#4c6ef5", "#f08c00", "#12b886", "#e64980", "#7950f2", "#fab005"];
+
+  function armColor(name, index) {
+    return ARM_COLORS[name] || PALETTE[index % PALETTE.length];
+  }
+
+  function cookie(name) {
+    const found = document.cookie.split("; ").find((c) => c.startsWith(name + "="));
+    return found ? decodeURIComponent(found.split("=")[1]) : "";
+  }
+
+  // Every change goes through the REST API; it answers JSON, errors as {"error": "..."}.
+  async function api(method, url, body) {
+    const response = await fetch(url, {
+      method,
+      credentials: "same-origin",
+      headers: {
+        "Content-Type": "application/json",
+        Accept: "application/json",
+        "X-CSRFToken": cookie("csrftoken"),
+        "X-Tenant": document.body.dataset.tenant || "",
+      },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    let data = null;
+    try {
+      data = await response.json();
+    } catch (_) {
+      data = null;
+    }
+    return { status: response.status, ok: response.ok, data };
+  }
+
+  function errorText(result) {
+    return (result.data && result.data.error) || `request failed (HTTP ${result.status})`;
+  }
+
+  // One subscription per socket; reconnects with backoff unless the server says "not found".
+  function live(subscription, onUpdate) {
+    const indicator = document.querySelector("[data-live]");
+    let delay = 1000;
+    function mark(on) {
+      if (!indicator) return;
+      indicator.classList.toggle("on", on);
+      indicator.textContent = on ? "live" : "reconnecting…";
+    }
+    function open() {
+      const scheme = location.protocol === "https:" ? "wss" : "ws";
+      const socket = new WebSocket(`${scheme}://${location.host}/ws/ui/live/`);
+      socket.onopen = () => {
+        delay = 1000;
+        socket.send(JSON.stringify(subscription));
+        mark(true);
+      };
+      socket.onmessage = (event) => onUpdate(JSON.parse(event.data));
+      socket.onclose = (event) => {
+        mark(false);
+        if (event.code >= 4400 && event.code < 4500) {
+          if (indicator) indicator.textContent = "not available";
+          return;
+        }
+        setTimeout(open, delay);
+        delay = Math.min(delay * 2, 15000);
+      };
+    }
+    open();
+  }
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (key === "style") Object.assign(node.style, value);
+      else if (key === "class") node.className = value;
+      else node.setAttribute(key, value);
+    }
+    for (const child of children) {
+      if (child !== null && child !== undefined) node.append(child);
+    }
+    return node;
+  }
+
+  const fmt = {
+    pct: (x) => (x === null || x === undefined ? "–" : `${(x * 100).toFixed(2)} %`),
+    ms: (x) => (x === null || x === undefined ? "> 10 s" : `${x} ms`),
+    rps: (x) => `${Number(x).toFixed(x >= 10 ? 0 : 2)}/s`,
+    weight: (x) => `${Number(x.toFixed(1))} %`,
+    int: (x) => Number(x).toLocaleString(),
+  };
+
+  // A split is [{arm, version, weight}]: one coloured segment per arm and a legend.
+  function renderSplit(container, split) {
+    const bar = container.querySelector(".split");
+    const legend = container.querySelector(".legend");
+    bar.replaceChildren(
+      ...split
+        .filter((a) => a.weight > 0)
+        .map((a, i) =>
+          el(
+            "div",
+            {
+              class: "seg",
+              title: `${a.arm} v${a.version}: ${fmt.weight(a.weight)}`,
+              style: { width: `${a.weight}%`, background: armColor(a.arm, i) },
+            },
+            a.weight >= 15 ? fmt.weight(a.weight) : ""
+          )
+        )
+    );
+    if (legend) {
+      legend.replaceChildren(
+        ...split.map((a, i) =>
+          el(
+            "span",
+            { "data-arm": a.arm },
+            el("span", { class: "dot", style: { background: armColor(a.arm, i) } }),
+            `${a.arm === "all" ? "" : a.arm + " "}v${a.version} · ${fmt.weight(a.weight)}`
+          )
+        )
+      );
+    }
+  }
+
+  function message(node, kind, ...content) {
+    node.className = `msg ${kind}`;
+    node.replaceChildren(...content);
+  }
+
+  function snapshot() {
+    const node = document.getElementById("snapshot");
+    return node ? JSON.parse(node.textContent) : null;
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    for (const select of document.querySelectorAll("select[data-autosubmit]")) {
+      select.addEventListener("change", () => select.form.submit());
+    }
+  });
+
+  return { api, errorText, live, el, fmt, renderSplit, armColor, message, snapshot };
+})();
