@@ -1,0 +1,204 @@
+"""The web UI in a real browser (headless Chromium driven by Playwright) against real processes:
+an engineer signs in, starts a canary, moves the slider and sees the split change on the page
+and in the routing of later requests; above the plan's bound the slider asks for approval; the
+engineer asks for a promotion but cannot approve it; an approver approves it from the inbox.
+Screenshots of the main pages are saved under docs/screenshots/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.onnx_models import small_onnx
+
+from .conftest import platform_with_agent, upload_and_promote, wait_ready
+from .harness import ROOT, create_tenant, services_available, wait_until
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SHOTS = ROOT / "docs" / "screenshots"
+VIEWPORT = {"width": 1280, "height": 800}
+BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.1] * 4}]}
+USERS = {"erin": "engineer", "abe": "approver"}
+
+CREATE_USERS = """
+from django.contrib.auth import get_user_model
+from tenants.models import Membership, Tenant
+tenant = Tenant.objects.get(slug="acme")
+for name, role in {users!r}.items():
+    user = get_user_model().objects.create_user(name, password=f"pw-{{name}}-12345")
+    Membership.objects.create(tenant=tenant, user=user, role=role)
+"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium to run the browser test")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def platform(tmp_path):
+    backend_name = "services" if services_available() else "embedded"
+    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+        key = create_tenant(backend, "acme")
+        backend.shell(CREATE_USERS.format(users=USERS))
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
+            upload_and_promote(api, "fraud", small_onnx(), offline_metrics='{"auc": 0.91}')
+            files = {"artifact": ("v2.onnx", small_onnx(seed=3), "application/octet-stream")}
+            data = {"offline_metrics": '{"auc": 0.93}', "source_commit": "9e1d7c0"}
+            v2 = api.post("/api/v1/models/fraud/versions", files=files, data=data)
+            assert v2.status_code == 201, v2.text
+            wait_ready(api, "fraud", proc=procs[1])
+            yield url, api
+
+
+def sign_in(browser, url: str, username: str):
+    context = browser.new_context(base_url=url, viewport=VIEWPORT)
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    page.goto("/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", f"pw-{username}-12345")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{url}/")
+    return page
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def candidate_share(api: httpx.Client, n: int = 400) -> float:
+    """Share of n distinct routing keys the gateway sends to the candidate."""
+    arms = []
+    for i in range(n):
+        r = api.post("/v2/models/fraud/infer", json=BODY, headers={"X-User-Id": f"user-{i}"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-switchyard-arm"] == r.json()["parameters"]["arm"]
+        arms.append(r.headers["x-switchyard-arm"])
+    return arms.count("candidate") / n
+
+
+def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
+    from playwright.sync_api import expect
+
+    url, api = platform
+
+    # Sign-in page, then the engineer's dashboard.
+    page = browser.new_context(base_url=url, viewport=VIEWPORT).new_page()
+    page.goto("/login/")
+    shot(page, "sign-in")
+    page.context.close()
+    page = sign_in(browser, url, "erin")
+    expect(page.locator("[data-user]")).to_contain_text("erin · engineer")
+
+    # Start a canary at 5 % from the model page.
+    page.click('a[href="/models/fraud/"]')
+    page.wait_for_url("**/models/fraud/")
+    expect(page.locator("#versions tr[data-version]")).to_have_count(2)
+    page.fill("#bake_seconds", "600")
+    page.click("text=Start canary on production")
+    page.wait_for_url("**/rollouts/*/")
+    plan_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    legend = page.locator("[data-split] .legend")
+    expect(legend).to_contain_text("candidate v2 · 5 %")
+    expect(page.locator("[data-live]")).to_have_text("live")
+    wait_until(lambda: api.get("/v2/models/fraud/versions/2/ready").status_code == 200, 30)
+
+    page.evaluate("window.sameDocument = true")  # gone if anything reloads the page
+
+    # Within the plan's bound the slider applies at once: the page and the routing follow.
+    page.locator("#weight").fill("30")
+    expect(page.locator("[data-msg]")).to_contain_text("candidate now gets 30 %")
+    expect(legend).to_contain_text("candidate v2 · 30 %")
+    assert api.get(f"/api/v1/rollouts/{plan_id}").json()["weight"] == 30
+    shares: list[float] = []
+
+    def routed_at_30() -> bool:  # gateways pick the change up within their refresh interval
+        shares.append(candidate_share(api))
+        return abs(shares[-1] - 0.30) < 0.07
+
+    wait_until(routed_at_30, 20, interval=0.5)
+
+    # The per-arm table and the charts fill from the live socket, without a reload.
+    requests = page.locator('#arms tr[data-arm="candidate"] [data-field="requests"]')
+    expect(requests).not_to_have_text("0", timeout=20_000)
+    expect(page.locator("#chart-rps .main-svg").first).to_be_visible()
+    assert page.evaluate("window.sameDocument") is True
+
+    # Above the bound (50 %) the slider asks an approver instead, and the split stays.
+    page.locator("#weight").fill("80")
+    expect(page.locator("[data-msg]")).to_contain_text("sent for approval")
+    expect(legend).to_contain_text("candidate v2 · 30 %")
+    assert page.locator("#weight").input_value() == "30"
+    expect(page.locator("#requests")).to_contain_text("weight → 80 %")  # live, no reload
+    shot(page, "rollout")
+
+    # The engineer asks for a promotion and cannot approve it: no buttons, and the API refuses.
+    page.fill("#promotion-comment", "30 % for a while, error rate flat")
+    page.click('[data-action="promotion"]')
+    expect(page.locator("[data-msg]")).to_contain_text("Promotion sent for approval")
+    link = page.locator("[data-msg] a")
+    approval_path = link.get_attribute("href")
+    approval_id = int(approval_path.strip("/").rsplit("/", 1)[1])
+    link.click()
+    page.wait_for_url(f"**{approval_path}")
+    expect(page.locator('[data-decision="approve"]')).to_have_count(0)
+    expect(page.locator("[data-own-request]")).to_be_visible()
+    refused = page.evaluate(
+        f"Sy.api('POST', '/api/v1/approvals/{approval_id}/approve', {{comment: 'mine'}})"
+    )
+    assert refused["status"] == 403, refused
+
+    page.goto("/")
+    expect(page.locator('tr[data-model="fraud"] [data-field="rps"]')).not_to_have_text("0.00/s")
+    expect(page.locator('tr[data-model="fraud"] .legend')).to_contain_text("candidate v2 · 30 %")
+    shot(page, "dashboard")
+    page.goto("/models/fraud/")
+    shot(page, "model")
+    page.context.close()
+
+    # The approver finds it in the inbox and approves it with a comment.
+    page = sign_in(browser, url, "abe")
+    expect(page.locator("[data-pending-count]")).to_have_text("2")  # promotion and weight
+    page.click("nav >> text=Approvals")
+    page.wait_for_url("**/approvals/")
+    shot(page, "approvals")
+    page.click(f'#pending a[href="{approval_path}"]')
+    page.wait_for_url(f"**{approval_path}")
+    expect(page.locator("#evidence")).to_contain_text("candidate − baseline")
+    page.fill("#decision-comment", "error rate and p99 on par with the baseline")
+    page.click('[data-decision="approve"]')
+    expect(page.locator("dl[data-decision]")).to_contain_text("abe")
+    expect(page.locator(".page-head [data-state]")).to_have_text("Approved")
+    shot(page, "approval")
+
+    decided = api.get(f"/api/v1/approvals/{approval_id}").json()
+    assert (decided["state"], decided["decided_by"]) == ("approved", "abe")
+    assert decided["decision_comment"] == "error rate and p99 on par with the baseline"
+
+    page.click("nav >> text=Audit")
+    expect(page.locator("#audit")).to_contain_text("approval.approve")
+    shot(page, "audit")
+    page.context.close()
