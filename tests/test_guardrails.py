@@ -9,9 +9,9 @@ from django.utils import timezone
 from gateway.models import TrafficSample
 from gateway.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
 from rollouts.actions import Actor, start_plan
-from rollouts.guardrails import ArmStats, evaluate, judge
 from rollouts.approvals import approve
 from rollouts.audit import user_actor
+from rollouts.guardrails import ArmStats, evaluate, judge
 from rollouts.models import ApprovalRequest, AuditEvent, PlanState
 from rollouts.tasks import evaluate_rollouts
 from tenants.models import Role
