@@ -8,6 +8,7 @@ Server → client: ``{"type": "dashboard", ...}`` or ``{"type": "plan", ...}`` (
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -61,6 +62,14 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_NO_TENANT)
             return
         self.tenant_id = membership.tenant_id
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        # Malformed JSON is a bad message (close 4400), not a crash with a traceback.
+        try:
+            content = json.loads(text_data) if text_data else None
+        except ValueError:
+            content = None
+        await self.receive_json(content)
 
     async def receive_json(self, content, **kwargs) -> None:
         kind = content.get("subscribe") if isinstance(content, dict) else None

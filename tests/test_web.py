@@ -275,3 +275,18 @@ def test_live_plan_of_another_tenant_closes_with_4404(site):
 def test_live_socket_refuses_anonymous_users(db):
     accepted, _ = exchange(AnonymousUser(), {"subscribe": "dashboard"})
     assert not accepted
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"subscribe": "everything"}', '{"subscribe": "plan", "id": "1"}']
+)
+def test_live_socket_closes_4400_on_a_bad_message(site, text):
+    async def run():
+        communicator = live(site.viewer_a)
+        await communicator.connect()
+        await communicator.send_to(text_data=text)
+        answer = await communicator.receive_output(timeout=10)
+        await communicator.disconnect()
+        return answer
+
+    assert async_to_sync(run)() == {"type": "websocket.close", "code": 4400}
