@@ -13,8 +13,8 @@ import pytest
 
 from tests.onnx_models import small_onnx
 
-from .conftest import platform_with_agent, upload_and_promote, wait_ready
-from .harness import ROOT, create_tenant, services_available, wait_until
+from .conftest import BACKENDS, platform_with_agent, upload_and_promote, wait_ready
+from .harness import ROOT, create_tenant, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -55,10 +55,9 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture
-def platform(tmp_path):
-    backend_name = "services" if services_available() else "embedded"
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+@pytest.fixture(params=BACKENDS)
+def platform(request, tmp_path):
+    with platform_with_agent(request.param, tmp_path) as (backend, url, procs):
         key = create_tenant(backend, "acme")
         backend.shell(CREATE_USERS.format(users=USERS))
         headers = {"Authorization": f"Bearer {key}"}
