@@ -53,21 +53,36 @@ class TensorSpec(BaseModel):
     shape: list[int]
 
 
+class GenerationLimits(BaseModel):
+    """Hard limits of a generative version, per replica: past them a request is refused."""
+
+    max_input_tokens: int = 512
+    max_output_tokens: int = 256
+    max_streams: int = 16  # concurrent streams decoded together on one replica
+
+
 class VersionSpec(BaseModel):
-    """One model version an agent must serve."""
+    """One model version an agent must serve.
+
+    ``onnx`` versions answer ``InferRequest`` frames. ``textgen`` versions are a safetensors
+    file of a known decoder-only architecture (its config in the file's metadata; never a
+    pickle) and answer ``GenerateRequest`` frames with a stream of ``TokenChunk`` frames and
+    one ``GenerateDone`` (or an ``InferError``).
+    """
 
     version_id: int
     model: str
     version: int
     sha256: str
     artifact_url: str
-    format: Literal["onnx"] = "onnx"
+    format: Literal["onnx", "textgen"] = "onnx"
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     max_batch_size: int = 32
     max_queue_delay_ms: float = 0.0
     max_queue: int = 256
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    generation: GenerationLimits | None = None  # set for textgen versions
 
 
 # Platform -> agent ----------------------------------------------------------------------------
@@ -119,6 +134,13 @@ class Heartbeat(BaseModel):
     errors_total: int = 0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
+    # Generation (textgen versions): streams decoding now, decode steps run, the largest batch
+    # one step decoded since the agent started, streams cancelled, tokens generated.
+    streams_active: int = 0
+    decode_steps_total: int = 0
+    max_decode_batch: int = 0
+    streams_cancelled_total: int = 0
+    tokens_generated_total: int = 0
 
 
 AgentMessage = Annotated[Hello | VersionStatus | Heartbeat, Field(discriminator="type")]
@@ -157,7 +179,56 @@ class InferError(msgspec.Struct, tag="error", tag_field="type"):
     message: str
 
 
-FrameHeader = InferRequest | InferResult | InferError
+# Generation frames (no tensors). Platform -> agent: ``GenerateRequest``, ``CancelGenerate``.
+# Agent -> platform: ``TokenChunk`` (one or more tokens of text), then ``GenerateDone``; or an
+# ``InferError`` with the request's id ("bad_input" past the version's token limits,
+# "overloaded" past its concurrent streams).
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
+    id: int
+    version_id: int
+    prompt: str
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # 0: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    stop: list[str] = []
+    seed: int | None = None
+
+
+class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):
+    """Stop decoding this stream at the next step (the client went away)."""
+
+    id: int
+
+
+class TokenChunk(msgspec.Struct, tag="tokens", tag_field="type"):
+    id: int
+    text: str
+    tokens: int  # how many tokens this chunk's text holds
+
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class GenerateDone(msgspec.Struct, tag="done", tag_field="type"):
+    id: int
+    finish_reason: FinishReason
+    input_tokens: int
+    output_tokens: int
+    ttft_ms: float  # from the request's arrival at the agent to its first token
+    decode_ms: float  # from the first token to the last
+
+
+FrameHeader = (
+    InferRequest
+    | InferResult
+    | InferError
+    | GenerateRequest
+    | CancelGenerate
+    | TokenChunk
+    | GenerateDone
+)
 _decode_header = msgspec.json.Decoder(FrameHeader).decode
 _encode_header = msgspec.json.Encoder().encode
 
