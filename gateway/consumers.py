@@ -24,6 +24,7 @@ from serving_agent.protocol import (
     FrameError,
     Heartbeat,
     Hello,
+    TokenChunk,
     VersionStatus,
     agent_message,
     decode_frame,
@@ -149,8 +150,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
         unmatched = self.state.pool.deliver(self.link, data)
         if unmatched is None:
             return
-        # Not a local request: it may answer one forwarded from another gateway process.
-        reply_channel = self.remote_replies.pop(unmatched, None)
+        # Not a local request: it may answer one forwarded from another gateway process. A
+        # stream's token chunks keep the route; its last frame (done or error) ends it.
+        if isinstance(unmatched, TokenChunk):
+            reply_channel = self.remote_replies.get(unmatched.id)
+        else:
+            reply_channel = self.remote_replies.pop(unmatched.id, None)
         if reply_channel is not None:
             await self.channel_layer.send(reply_channel, {"type": "infer.reply", "frame": data})
 

@@ -13,17 +13,22 @@ import asyncio
 import itertools
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
 from serving_agent.protocol import (
+    CancelGenerate,
     FrameError,
+    FrameHeader,
+    GenerateDone,
+    GenerateRequest,
     InferError,
     InferRequest,
     InferResult,
+    TokenChunk,
     decode_frame,
     encode_frame,
     pack_frames,
@@ -33,6 +38,9 @@ from serving_agent.protocol import (
 log = logging.getLogger(__name__)
 
 Reply = tuple[InferResult | InferError, list[np.ndarray]]
+# Frames of one generation buffered for its client; past this the client is reading too slowly
+# and the stream is ended rather than buffered without bound.
+STREAM_BUFFER = 256
 
 
 class DispatchError(Exception):
@@ -45,6 +53,57 @@ class DispatchError(Exception):
         self.retry_after = retry_after
 
 
+class SlowClient(DispatchError):
+    """The client did not read its stream's frames fast enough; the stream was ended."""
+
+
+@dataclass(eq=False)
+class Stream:
+    """One generation in flight: the agent's frames wait here until the client takes them."""
+
+    id: int
+    send: Callable[[bytes], Awaitable[None]]  # to the agent holding the stream
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(STREAM_BUFFER))
+    ended: bool = False
+
+    def push(self, item: TokenChunk | GenerateDone | InferError | DispatchError) -> bool:
+        """Queue a frame (or a failure) for the reader; False when the buffer is full."""
+        try:
+            self.queue.put_nowait(item)
+            return True
+        except asyncio.QueueFull:
+            return False
+
+    def fail(self, error: DispatchError) -> None:
+        """End the stream with ``error``: it jumps the queue, whatever the reader left in it."""
+        while not self.push(error):
+            self.queue.get_nowait()
+
+    async def next(self, timeout: float) -> TokenChunk | GenerateDone:
+        """The next frame; raises ``DispatchError`` when the stream failed or went silent."""
+        try:
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
+        except TimeoutError:
+            raise DispatchError(504, f"the serving agent sent nothing for {timeout:g} s") from None
+        if isinstance(item, DispatchError):
+            raise item
+        if isinstance(item, InferError):
+            status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(item.code, 500)
+            raise DispatchError(status, item.message, 1 if status == 503 else None)
+        return item
+
+    async def cancel(self) -> None:
+        """Ask the agent to stop decoding this stream at its next step."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            await self.send(encode_frame(CancelGenerate(id=self.id)))
+        except Exception as exc:  # the agent may be gone already; nothing left to stop
+            log.info("could not cancel stream %d: %r", self.id, exc)
+
+
 @dataclass(eq=False)
 class AgentLink:
     """One agent websocket held by this process."""
@@ -53,6 +112,7 @@ class AgentLink:
     send_message: Callable[[bytes], Awaitable[None]]
     ready: set[int] = field(default_factory=set)
     pending: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
+    streams: dict[int, Stream] = field(default_factory=dict)
     outbox: list[bytes] = field(default_factory=list)
 
     async def send_frame(self, frame: bytes) -> None:
@@ -77,6 +137,7 @@ class AgentPool:
         self.remote: dict[int, list[str]] = {}
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[Reply]] = {}
+        self._remote_streams: dict[int, Stream] = {}
 
     # Links -------------------------------------------------------------------------------------
     def add(self, link: AgentLink) -> None:
@@ -95,6 +156,10 @@ class AgentPool:
             if not fut.done():
                 fut.set_exception(DispatchError(502, reason))
         link.pending.clear()
+        for stream in link.streams.values():
+            stream.ended = True  # nothing left to cancel
+            stream.fail(DispatchError(502, reason))
+        link.streams.clear()
 
     def _reindex(self) -> None:
         index: dict[int, list[AgentLink]] = {}
@@ -150,6 +215,33 @@ class AgentPool:
                 self._remote_pending.pop(request_id, None)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
 
+    async def open_stream(self, request: GenerateRequest) -> Stream:
+        """Send a generation to an agent serving the version; its frames arrive on the stream.
+        The caller must ``close_stream`` it (after ``cancel`` if it did not run to the end)."""
+        request.id = next(self._ids)
+        frame = encode_frame(request)
+        links = self._by_version.get(request.version_id)
+        if links:
+            link = min(links, key=lambda c: len(c.pending) + len(c.streams))
+            stream = link.streams[request.id] = Stream(request.id, link.send_frame)
+        elif self.remote.get(request.version_id) and self.remote_sender is not None:
+            channel = random.choice(self.remote[request.version_id])
+            send = partial(self.remote_sender, channel)
+            stream = self._remote_streams[request.id] = Stream(request.id, send)
+        else:
+            raise DispatchError(503, "no serving agent is ready for this model version", 1)
+        try:
+            await self._send(stream.send, frame)
+        except DispatchError:
+            self.close_stream(stream)
+            raise
+        return stream
+
+    def close_stream(self, stream: Stream) -> None:
+        self._remote_streams.pop(stream.id, None)
+        for link in self._links:
+            link.streams.pop(stream.id, None)
+
     @staticmethod
     async def _send(send: Callable[[bytes], Awaitable[None]], frame: bytes) -> None:
         try:
@@ -167,15 +259,20 @@ class AgentPool:
                 504, f"the serving agent did not answer within {timeout:g} s"
             ) from None
 
-    def deliver(self, link: AgentLink, data: bytes) -> int | None:
-        """Resolve the request a reply frame answers. Returns the reply's id when no request
-        of this process waits for it (it may answer one forwarded from another process)."""
+    def deliver(self, link: AgentLink, data: bytes) -> FrameHeader | None:
+        """Resolve the request (or feed the stream) a reply frame answers. Returns the frame's
+        header when nothing in this process waits for it (it may answer a request forwarded
+        from another process)."""
         reply = _decode_reply(data)
         if reply is None:
             return None
-        fut = link.pending.pop(reply[0].id, None)
+        header = reply[0]
+        if header.id in link.streams:
+            self._feed(link.streams, header)
+            return None
+        fut = link.pending.pop(header.id, None)
         if fut is None:
-            return reply[0].id
+            return header
         if not fut.done():
             fut.set_result(reply)
         return None
@@ -185,21 +282,45 @@ class AgentPool:
         reply = _decode_reply(data)
         if reply is None:
             return
+        if reply[0].id in self._remote_streams:
+            self._feed(self._remote_streams, reply[0])
+            return
         fut = self._remote_pending.pop(reply[0].id, None)
         if fut is not None and not fut.done():
             fut.set_result(reply)
 
+    @staticmethod
+    def _feed(streams: dict[int, Stream], header: FrameHeader) -> None:
+        stream = streams[header.id]
+        if isinstance(header, GenerateDone | InferError):
+            stream.ended = True  # the agent is done with it: nothing to cancel any more
+        if not stream.push(header):
+            # The client is not reading: end its stream instead of buffering without bound.
+            streams.pop(header.id, None)
+            stream.fail(SlowClient(429, "the client read its stream too slowly"))
+            in_background(stream.cancel())
 
-def _decode_reply(data: bytes) -> Reply | None:
+
+def _decode_reply(data: bytes) -> tuple[FrameHeader, list[np.ndarray]] | None:
     try:
         header, arrays = decode_frame(data)
     except FrameError as exc:
         log.warning("dropping an undecodable frame from an agent: %s", exc)
         return None
-    if isinstance(header, InferRequest):
-        log.warning("dropping an inference request sent by an agent")
+    if isinstance(header, InferRequest | GenerateRequest | CancelGenerate):
+        log.warning("dropping a %s frame sent by an agent", type(header).__name__)
         return None
     return header, arrays
+
+
+_background: set[asyncio.Task] = set()
+
+
+def in_background(coro: Coroutine) -> None:
+    """Run work after the reply (shadow copies, cancels), keeping a reference until it ends."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)  # a reference, so the task is not garbage collected
+    task.add_done_callback(_background.discard)
 
 
 def error_frame(request_id: int, message: str) -> bytes:

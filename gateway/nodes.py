@@ -12,7 +12,7 @@ from platform_site.tokens import hash_token, new_token, token_matches, token_pre
 from registry.models import ModelVersion
 from registry.services import served_versions
 from rollouts.routing import versions_in_active_plans
-from serving_agent.protocol import ARTIFACT_PATH, Hello, TensorSpec, VersionSpec
+from serving_agent.protocol import ARTIFACT_PATH, GenerationLimits, Hello, TensorSpec, VersionSpec
 
 from .models import AgentSession, Node
 
@@ -58,6 +58,14 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         max_queue_delay_ms=version.max_queue_delay_ms,
         max_queue=version.max_queue,
         device=version.device,
+        format=version.format,
+        generation=GenerationLimits(
+            max_input_tokens=version.max_input_tokens,
+            max_output_tokens=version.max_output_tokens,
+            max_streams=version.max_streams,
+        )
+        if version.generates_text
+        else None,
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from . import pipeline
+from .dispatch import in_background
 from .oip_codec import parse_infer, render_infer
 from .pipeline import ApiError
 from .state import GatewayState, get_state
@@ -40,7 +41,7 @@ async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
         status, body, headers = 500, _error("internal server error"), []
     await _respond(send, status, body, headers)
     for coro in after:
-        pipeline.in_background(coro)
+        in_background(coro)
 
 
 async def _handle(

@@ -4,11 +4,10 @@ dispatch. Each step raises ``ApiError`` with the status and a message that names
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +97,12 @@ def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
 
 
 def check_complete(route: Route, names: list[str]) -> None:
+    if route.generates_text:
+        raise ApiError(
+            400,
+            f"model {route.model_name!r} generates text: use the websocket "
+            f"/ws/v1/models/{route.model_name}/generate or POST /v1/completions",
+        )
     missing = [spec.name for spec in route.inputs if spec.name not in names]
     if missing:
         raise ApiError(
@@ -135,16 +140,6 @@ async def run_inference(
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
     return [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
-
-
-_background: set[asyncio.Task] = set()
-
-
-def in_background(coro: Coroutine) -> None:
-    """Run work after the reply (shadow copies), keeping a reference until it ends."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
 
 
 @dataclass

@@ -33,6 +33,10 @@ class Route:
     inputs: tuple[InputSpec, ...]
     outputs: tuple[dict, ...]
     feature_names: tuple[str, ...]
+    # Text generation: streamed tokens instead of tensors, within the version's token limits.
+    generates_text: bool = False
+    max_input_tokens: int = 0
+    max_output_tokens: int = 0
 
     def input(self, name: str) -> InputSpec | None:
         for spec in self.inputs:
@@ -50,6 +54,20 @@ class RouteMissing(Exception):
 
 
 def route_of(version: ModelVersion) -> Route:
+    if version.generates_text:
+        return Route(
+            tenant_id=version.model.tenant_id,
+            model_name=version.model.name,
+            version_id=version.pk,
+            version=version.version,
+            task=version.model.task,
+            inputs=(),
+            outputs=tuple(version.outputs),
+            feature_names=(),
+            generates_text=True,
+            max_input_tokens=version.max_input_tokens,
+            max_output_tokens=version.max_output_tokens,
+        )
     return Route(
         tenant_id=version.model.tenant_id,
         model_name=version.model.name,

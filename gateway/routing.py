@@ -5,10 +5,13 @@ from django.urls import path
 from serving_agent.protocol import AGENT_WS_PATH
 
 from .consumers import AgentConsumer
+from .generate_ws import GenerateConsumer
 from .live import LiveConsumer
 
 websocket_urlpatterns = [
     path(AGENT_WS_PATH.lstrip("/"), AgentConsumer.as_asgi()),
+    # Generation streams authenticate with the tenant's API key, never a cookie.
+    path("ws/v1/models/<str:name>/generate", GenerateConsumer.as_asgi()),
     # The UI's socket rides on the session cookie, so it checks the Origin against ALLOWED_HOSTS
     # (no other site may open it with a user's cookie); agents send no Origin, so the check and
     # the session lookup wrap this route only.

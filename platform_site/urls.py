@@ -5,9 +5,11 @@ from django.views.defaults import page_not_found
 from django.views.defaults import server_error as django_server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from gateway import openai_api
+
 
 def not_found(request, exception=None):
-    if request.path.startswith("/api/"):
+    if request.path.startswith(("/api/", "/v1/")):
         return JsonResponse({"error": f"no such endpoint: {request.path}"}, status=404)
     return page_not_found(request, exception)
 
@@ -25,6 +27,10 @@ urlpatterns = [
     path("api/v1/", include("rollouts.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # OpenAI-compatible text generation (base URL http://HOST/v1 for OpenAI clients).
+    path("v1/completions", openai_api.completions),
+    path("v1/chat/completions", openai_api.chat_completions),
+    path("v1/models", openai_api.models),
     path("", include("gateway.web_urls")),
 ]
 

@@ -45,6 +45,9 @@ class Model(models.Model):
 
 class ArtifactFormat(models.TextChoices):
     ONNX = "onnx", "ONNX"
+    # Safetensors weights of the known decoder-only architecture (serving_agent.textgen): no
+    # pickle, so loading a tenant's upload runs no code.
+    TEXTGEN = "textgen", "Text generation (safetensors)"
 
 
 class Device(models.TextChoices):
@@ -111,6 +114,16 @@ class ModelVersion(models.Model):
         default=256, validators=[MinValueValidator(1), MaxValueValidator(100_000)]
     )
     device = models.CharField(max_length=10, choices=Device.choices, default=Device.AUTO)
+    # Generation limits per replica (textgen versions): past them a request is refused.
+    max_input_tokens = models.PositiveIntegerField(
+        default=512, validators=[MinValueValidator(1), MaxValueValidator(1_000_000)]
+    )
+    max_output_tokens = models.PositiveIntegerField(
+        default=256, validators=[MinValueValidator(1), MaxValueValidator(1_000_000)]
+    )
+    max_streams = models.PositiveIntegerField(
+        default=16, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
@@ -143,6 +156,10 @@ class ModelVersion(models.Model):
             raise ImmutableVersionError(
                 f"Model versions are immutable; cannot change: {', '.join(changed)}."
             )
+
+    @property
+    def generates_text(self) -> bool:
+        return self.format == ArtifactFormat.TEXTGEN
 
 
 def _field_value(version: ModelVersion, field: str) -> object:

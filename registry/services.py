@@ -20,7 +20,20 @@ from .signature import (
 )
 
 MAX_ARTIFACT_BYTES = 2 * 1024 * 1024 * 1024
-SERVING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "max_queue", "device", "description")
+SERVING_FIELDS = (
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "max_queue",
+    "device",
+    "description",
+    "max_input_tokens",
+    "max_output_tokens",
+    "max_streams",
+)
+# What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
+# architecture; streams speak the generation protocol, not tensors).
+TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
+TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
 
 
 def models_of(tenant_id: int) -> QuerySet[Model]:
@@ -46,18 +59,23 @@ def create_version(
     outputs: Any = None,
     feature_names: list[str] | None = None,
     created_by=None,
+    format: str = ArtifactFormat.ONNX,
     **details: Any,
 ) -> ModelVersion:
     """Store a new immutable version: hash the artifact, read and check its signature.
 
     A declared signature (``inputs``/``outputs``) must agree with the artifact's own, or the
-    upload is refused; when none is declared the artifact's is recorded.
+    upload is refused; when none is declared the artifact's is recorded. A ``textgen`` artifact
+    must be a safetensors file of the known architecture, checked without running any code.
     """
     if not artifact:
         raise SignatureError("artifact", "the uploaded file is empty")
     if len(artifact) > MAX_ARTIFACT_BYTES:
         raise SignatureError("artifact", "the uploaded file is larger than 2 GiB")
-    real_inputs, real_outputs = read_onnx_signature(artifact)
+    if format == ArtifactFormat.TEXTGEN:
+        real_inputs, real_outputs = _check_textgen(artifact)
+    else:
+        real_inputs, real_outputs = read_onnx_signature(artifact)
     if inputs is not None:
         inputs = normalize_declared(inputs, "inputs")
         check_declared_matches(inputs, real_inputs, "inputs")
@@ -81,7 +99,7 @@ def create_version(
             model=model,
             version=latest + 1,
             sha256=sha256,
-            format=ArtifactFormat.ONNX,
+            format=format,
             inputs=inputs,
             outputs=outputs,
             feature_names=feature_names,
@@ -89,10 +107,20 @@ def create_version(
             created_by=created_by,
             **details,
         )
-        version.artifact.save(f"{sha256}.onnx", ContentFile(artifact), save=False)
+        version.artifact.save(f"{sha256}.{format}", ContentFile(artifact), save=False)
         version.full_clean(exclude=["artifact"])
         version.save()
     return version
+
+
+def _check_textgen(artifact: bytes) -> tuple[list[dict], list[dict]]:
+    from serving_agent.textgen import read_config  # torch: imported only for such uploads
+
+    try:
+        read_config(artifact)
+    except ValueError as exc:
+        raise SignatureError("artifact", f"not a valid text-generation artifact: {exc}") from None
+    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
 def _check_feature_names(names: list[str], inputs: list[dict]) -> None:

@@ -26,6 +26,8 @@ class KeyIdentity:
     tenant_slug: str
     rate: float
     burst: int
+    max_streams: int = 8
+    tokens_per_minute: int = 60_000
 
 
 def create_api_key(tenant: Tenant, name: str, actor: Actor = SYSTEM) -> tuple[ApiKey, str]:
@@ -79,6 +81,8 @@ def identify_key(raw: str) -> KeyIdentity | None:
         tenant_slug=row.tenant.slug,
         rate=quota.requests_per_second,
         burst=quota.burst,
+        max_streams=quota.max_concurrent_streams,
+        tokens_per_minute=quota.tokens_per_minute,
     )
 
 

@@ -48,11 +48,18 @@ class Membership(models.Model):
 
 
 class Quota(models.Model):
-    """A tenant's request budget: ``burst`` tokens, refilled at ``requests_per_second``."""
+    """A tenant's request budget: ``burst`` tokens, refilled at ``requests_per_second``; and
+    for text generation, concurrent streams and generated plus prompt tokens per minute."""
 
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
     requests_per_second = models.FloatField(default=100.0, validators=[MinValueValidator(0.001)])
     burst = models.PositiveIntegerField(default=200, validators=[MinValueValidator(1)])
+    max_concurrent_streams = models.PositiveIntegerField(
+        default=8, validators=[MinValueValidator(1)]
+    )
+    tokens_per_minute = models.PositiveIntegerField(
+        default=60_000, validators=[MinValueValidator(1)]
+    )
 
     def __str__(self) -> str:
         return f"{self.tenant}: {self.requests_per_second:g}/s, burst {self.burst}"

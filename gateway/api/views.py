@@ -21,6 +21,7 @@ from platform_site.tokens import bearer
 from registry.models import ModelVersion
 
 from .. import nodes, pipeline
+from ..dispatch import in_background
 from ..pipeline import ApiError
 from ..predict_codec import arrays_from_predict_body
 from ..state import get_state
@@ -105,9 +106,7 @@ class PredictView(AsyncPipelineView):
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
         if routed.shadow_version_id is not None:
-            pipeline.in_background(
-                pipeline.shadow_copy(state, identity, routed, names, arrays, result)
-            )
+            in_background(pipeline.shadow_copy(state, identity, routed, names, arrays, result))
         body = {
             "model": routed.route.model_name,
             "version": routed.route.version,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from ..models import Alias, Device, Model, ModelVersion
+from ..models import Alias, ArtifactFormat, Device, Model, ModelVersion
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -44,6 +44,9 @@ class VersionSerializer(serializers.ModelSerializer):
             "max_queue_delay_ms",
             "max_queue",
             "device",
+            "max_input_tokens",
+            "max_output_tokens",
+            "max_streams",
             "aliases",
             "created_at",
         ]
@@ -54,6 +57,7 @@ class VersionUploadSerializer(serializers.Serializer):
     """A multipart upload; JSON-valued fields arrive as JSON strings."""
 
     artifact = serializers.FileField()
+    format = serializers.ChoiceField(choices=ArtifactFormat.choices, default=ArtifactFormat.ONNX)
     inputs = serializers.JSONField(binary=True, required=False)
     outputs = serializers.JSONField(binary=True, required=False)
     feature_names = serializers.JSONField(binary=True, required=False)
@@ -66,6 +70,9 @@ class VersionUploadSerializer(serializers.Serializer):
     max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
     max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     device = serializers.ChoiceField(choices=Device.choices, required=False)
+    max_input_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    max_output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    max_streams = serializers.IntegerField(min_value=1, max_value=4096, required=False)
 
     def validate_offline_metrics(self, value):
         if not isinstance(value, dict):
@@ -81,6 +88,9 @@ class VersionUpdateSerializer(serializers.Serializer):
     max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
     max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     device = serializers.ChoiceField(choices=Device.choices, required=False)
+    max_input_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    max_output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    max_streams = serializers.IntegerField(min_value=1, max_value=4096, required=False)
 
 
 class AliasSerializer(serializers.Serializer):

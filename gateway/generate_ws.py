@@ -1,0 +1,172 @@
+"""The client websocket for text generation: ``/ws/v1/models/{name}/generate``.
+
+Authenticate with ``Authorization: Bearer <key>`` on the handshake, or a first message
+``{"type": "auth", "api_key": "sy_..."}``. Then, any number of times, possibly at once:
+
+    → {"type": "generate", "id": "g1", "prompt": "...", "max_tokens": 64, "temperature": 0.8,
+       "top_p": 0.95, "stop": ["\\n\\n"], "seed": 7, "routing_key": "user-42"}
+    ← {"type": "token", "id": "g1", "text": "...", "tokens": 2}        (one or more)
+    ← {"type": "done", "id": "g1", "finish_reason": "length", "model": "...", "version": 3,
+       "arm": "candidate", "usage": {"input_tokens", "output_tokens", "ttft_ms",
+       "tokens_per_second", "total_ms"}}
+    → {"type": "cancel", "id": "g1"}                                  (optional)
+
+A problem is an error frame ``{"type": "error", "id": ..., "code": ..., "message": ...}``; the
+socket stays open except for a bad key (closed 4401) and a client too slow to read its tokens
+(closed 4408). Closing the socket cancels every generation on it at the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from channels.generic.websocket import AsyncWebsocketConsumer
+from pydantic import ValidationError
+
+from .dispatch import SlowClient
+from .generation import GenerateParams, start_generation
+from .pipeline import ApiError, authenticate
+from .state import get_state
+
+log = logging.getLogger(__name__)
+
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_SLOW_CLIENT = 4408
+MAX_MESSAGE_BYTES = 1_048_576
+CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    429: "rate_limited",
+    502: "agent_failed",
+    503: "unavailable",
+    504: "timeout",
+}
+
+
+class GenerateRequestMessage(GenerateParams):
+    type: str
+    id: str | None = None
+    routing_key: str | None = None
+
+
+class GenerateConsumer(AsyncWebsocketConsumer):
+    async def connect(self) -> None:
+        self.model_name: str = self.scope["url_route"]["kwargs"]["name"]
+        self.state = get_state()
+        self.identity = None
+        self.running: dict[str, asyncio.Task] = {}
+        await self.accept()
+        headers = dict(self.scope.get("headers") or [])
+        authorization = headers.get(b"authorization")
+        if authorization is not None:
+            await self._authenticate(authorization.decode("latin-1"))
+
+    async def disconnect(self, code: int) -> None:
+        for task in self.running.values():
+            task.cancel()  # each task's ``finally`` cancels its stream at the agent
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None):
+        if text_data is None or len(text_data) > MAX_MESSAGE_BYTES:
+            await self.error(None, 400, "send JSON text frames of at most 1 MiB")
+            return
+        try:
+            message = json.loads(text_data)
+        except ValueError as exc:
+            await self.error(None, 400, f"malformed JSON: {exc}")
+            return
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == "auth":
+            await self._authenticate(f"Bearer {message.get('api_key') or ''}")
+        elif self.identity is None:
+            await self.error(message.get("id") if kind else None, 401, "authenticate first")
+            await self.close(CLOSE_UNAUTHORIZED)
+        elif kind == "generate":
+            await self._generate(message)
+        elif kind == "cancel":
+            task = self.running.get(str(message.get("id")))
+            if task is not None:
+                task.cancel()
+        else:
+            await self.error(None, 400, 'type: expected "auth", "generate" or "cancel"')
+
+    async def _authenticate(self, authorization: str) -> None:
+        try:
+            self.identity = await authenticate(self.state, authorization)
+        except ApiError as exc:
+            await self.error(None, exc.status, exc.message)
+            await self.close(CLOSE_UNAUTHORIZED)
+
+    async def _generate(self, message: dict) -> None:
+        try:
+            request = GenerateRequestMessage.model_validate(message)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "request"
+            await self.error(message.get("id"), 400, f"{where}: {first['msg']}")
+            return
+        stream_id = request.id or uuid.uuid4().hex[:12]
+        if stream_id in self.running:
+            await self.error(stream_id, 400, f"id: generation {stream_id!r} is still running")
+            return
+        params = GenerateParams.model_validate(
+            request.model_dump(exclude={"type", "id", "routing_key"})
+        )
+        task = asyncio.create_task(self._run(stream_id, params, request.routing_key))
+        self.running[stream_id] = task
+        task.add_done_callback(lambda _t: self.running.pop(stream_id, None))
+
+    async def _run(self, stream_id: str, params: GenerateParams, routing_key: str | None):
+        generation = None
+        try:
+            generation = await start_generation(
+                self.state, self.identity, self.model_name, params, routing_key, stream_id
+            )
+            async for chunk in generation.chunks():
+                await self.send_json(
+                    {"type": "token", "id": stream_id, "text": chunk.text, "tokens": chunk.tokens}
+                )
+            route = generation.routed.route
+            await self.send_json(
+                {
+                    "type": "done",
+                    "id": stream_id,
+                    "finish_reason": generation.finish_reason,
+                    "model": route.model_name,
+                    "version": route.version,
+                    "arm": generation.routed.arm,
+                    "usage": generation.usage.as_dict(),
+                }
+            )
+        except ApiError as exc:
+            await self.error(stream_id, exc.status, exc.message)
+        except SlowClient as exc:
+            await self.error(stream_id, 429, exc.message)
+            await self.close(CLOSE_SLOW_CLIENT)
+        except asyncio.CancelledError:
+            if generation is not None and generation.finish_reason is None:
+                await self._send_quietly(
+                    {"type": "done", "id": stream_id, "finish_reason": "cancelled"}
+                )
+            raise
+        finally:
+            if generation is not None:
+                await generation.close()
+
+    async def error(self, stream_id: str | None, status: int, message: str) -> None:
+        frame = {"type": "error", "id": stream_id, "code": CODES.get(status, "internal")}
+        await self._send_quietly(frame | {"message": message})
+
+    async def send_json(self, payload: dict) -> None:
+        await self.send(text_data=json.dumps(payload))
+
+    async def _send_quietly(self, payload: dict) -> None:
+        try:
+            await self.send_json(payload)
+        except Exception:  # the socket is gone: nobody is left to tell
+            log.debug("could not send %s on a closed socket", payload.get("type"))

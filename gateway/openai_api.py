@@ -1,0 +1,235 @@
+"""OpenAI-compatible text generation: ``POST /v1/completions`` and ``/v1/chat/completions``
+(``stream: true`` as server-sent events, else one JSON answer) and ``GET /v1/models``, in
+OpenAI's request and response shapes, so OpenAI client libraries work with only a base URL
+(``http://HOST/v1``) and a Switchyard API key. The ``model`` is a model name of the key's
+tenant; requests go through its ``production`` alias and rollout plan (``user`` is the routing
+key). Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from channels.db import database_sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from registry.services import models_of
+
+from .generation import GenerateParams, Generation, StopString, start_generation
+from .pipeline import ApiError, authenticate
+from .state import get_state
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+}
+# OpenAI knows "stop" and "length"; a cancelled stream has no client left to tell.
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+class _Body(BaseModel):
+    # OpenAI clients send parameters we do not use (logprobs, presence_penalty, ...): ignored.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: StopString | list[StopString] | None = None
+    stream: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    user: str | None = None
+    n: Literal[1] = 1
+
+
+class CompletionBody(_Body):
+    prompt: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """A plain chat template: one "Role: text" paragraph per message, then the assistant's
+    turn. Generation stops where the model starts the user's next turn."""
+    turns = [f"{m.role.capitalize()}: {m.content.strip()}" for m in messages]
+    return "\n\n".join(turns) + "\n\nAssistant:"
+
+
+CHAT_STOP = "\n\nUser:"
+
+
+def openai_error(status: int, message: str, headers: list[tuple[str, str]] = ()) -> JsonResponse:
+    error_type = ERROR_TYPES.get(status, "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+    response = JsonResponse(body, status=status)
+    for name, value in headers:
+        response[name] = value
+    return response
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, chat=False)
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, chat=True)
+
+
+async def models(request: HttpRequest) -> HttpResponse:
+    """The tenant's models, as ``GET /v1/models`` lists them."""
+    try:
+        identity = await authenticate(get_state(), request.headers.get("Authorization"))
+    except ApiError as exc:
+        return openai_error(exc.status, exc.message, exc.headers)
+
+    def listing() -> list[dict]:
+        rows = models_of(identity.tenant_id).order_by("name").values_list("name", "created_at")
+        return [
+            {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": ""}
+            for name, created in rows
+        ]
+
+    return JsonResponse({"object": "list", "data": await database_sync_to_async(listing)()})
+
+
+async def _serve(request: HttpRequest, chat: bool) -> HttpResponse:
+    if request.method != "POST":
+        return openai_error(405, "use POST")
+    state = get_state()
+    try:
+        identity = await authenticate(state, request.headers.get("Authorization"))
+        body, params = _parse(request.body, chat)
+        generation = await start_generation(
+            state, identity, body.model, params, body.user, request.headers.get("X-Request-Id")
+        )
+    except ApiError as exc:
+        return openai_error(exc.status, exc.message, exc.headers)
+    shape = _Shape(chat, body.model)
+    if body.stream:
+        response = StreamingHttpResponse(
+            _events(generation, shape), content_type="text/event-stream"
+        )
+        response["Cache-Control"] = "no-cache"
+    else:
+        try:
+            text = await _collect(generation)
+        except ApiError as exc:
+            return openai_error(exc.status, exc.message, exc.headers)
+        response = JsonResponse(shape.whole(text, generation))
+    response["x-switchyard-version"] = str(generation.routed.route.version)
+    if generation.routed.arm:
+        response["x-switchyard-arm"] = generation.routed.arm
+    return response
+
+
+def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
+    try:
+        data = json.loads(raw or b"null")
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    try:
+        body = (ChatBody if chat else CompletionBody).model_validate(data)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if chat:
+            prompt = chat_prompt(body.messages)
+            max_tokens = body.max_completion_tokens or body.max_tokens or 128
+            stop = [*stop, CHAT_STOP][:4]
+        else:
+            prompt, max_tokens = body.prompt, body.max_tokens or 16  # OpenAI's default
+        params = GenerateParams(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=stop,
+            seed=body.seed,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(400, f"{where}: {first['msg']}") from None
+    return body, params
+
+
+async def _collect(generation: Generation) -> str:
+    try:
+        return "".join([chunk.text async for chunk in generation.chunks()])
+    finally:
+        await generation.close()
+
+
+async def _events(generation: Generation, shape: _Shape) -> AsyncIterator[str]:
+    """Server-sent events; a client that disconnects cancels the stream at the agent."""
+    try:
+        first = True
+        async for chunk in generation.chunks():
+            yield _sse(shape.chunk(chunk.text, None, first))
+            first = False
+        yield _sse(shape.chunk("", FINISH.get(generation.finish_reason or "stop"), first))
+    except ApiError as exc:
+        error = {"message": exc.message, "type": ERROR_TYPES.get(exc.status, "server_error")}
+        yield _sse({"error": error | {"param": None, "code": None}})
+    finally:
+        await generation.close()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Shape:
+    """OpenAI's response objects, for completions or chat."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, finish: str | None, first: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if finish is not None:
+                delta = {} if not first else delta
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope("text_completion") | {"choices": [choice]}
+
+    def whole(self, text: str, generation: Generation) -> dict:
+        finish = FINISH.get(generation.finish_reason or "stop")
+        usage = generation.usage
+        counts = {
+            "prompt_tokens": usage.input_tokens,
+            "completion_tokens": usage.output_tokens,
+            "total_tokens": usage.input_tokens + usage.output_tokens,
+        }
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            return self._envelope("chat.completion") | {"choices": [choice], "usage": counts}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope("text_completion") | {"choices": [choice], "usage": counts}
