@@ -75,9 +75,12 @@ class Stream:
             return False
 
     def fail(self, error: DispatchError) -> None:
-        """End the stream with ``error``: it jumps the queue, whatever the reader left in it."""
-        while not self.push(error):
-            self.queue.get_nowait()
+        """End the stream with ``error``, after what the reader has not taken yet; if the
+        buffer is full the reader is far behind, and only the error matters any more."""
+        if not self.push(error):
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(error)
 
     async def next(self, timeout: float) -> TokenChunk | GenerateDone:
         """The next frame; raises ``DispatchError`` when the stream failed or went silent."""

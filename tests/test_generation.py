@@ -1,0 +1,401 @@
+"""Token streaming at the gateway, in process: the client websocket and the OpenAI-compatible API
+against a fake agent link in the pool (the real agent is in tests/agent and tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.core.files.base import ContentFile
+from django.test import AsyncClient
+
+from gateway import generate_ws, openai_api
+from gateway.dispatch import STREAM_BUFFER, AgentLink, SlowClient, Stream
+from gateway.routing import websocket_urlpatterns
+from gateway.state import GatewayState
+from registry.models import ArtifactFormat, ModelVersion
+from registry.services import TEXTGEN_INPUTS, TEXTGEN_OUTPUTS, set_alias
+from serving_agent.protocol import (
+    CancelGenerate,
+    GenerateDone,
+    GenerateRequest,
+    TokenChunk,
+    decode_frame,
+    encode_frame,
+    unpack_frames,
+)
+from tests.factories import make_model, make_version
+from tests.onnx_models import small_onnx
+
+
+class FakeAgent:
+    """A link in the pool that streams the prompt back upper-cased, one character a chunk."""
+
+    def __init__(self, state: GatewayState, version_id: int, delay: float = 0.0):
+        self.pool = state.pool
+        self.delay = delay
+        self.requests: list[GenerateRequest] = []
+        self.cancelled: list[int] = []
+        self.link = AgentLink("fake", self.receive)
+        self.pool.add(self.link)
+        self.pool.set_ready(self.link, version_id, True)
+
+    async def receive(self, message: bytes) -> None:
+        for frame in unpack_frames(message):
+            header, _ = decode_frame(frame)
+            if isinstance(header, GenerateRequest):
+                self.requests.append(header)
+                asyncio.get_running_loop().create_task(self.stream(header))
+            elif isinstance(header, CancelGenerate):
+                self.cancelled.append(header.id)
+
+    async def stream(self, request: GenerateRequest) -> None:
+        text = request.prompt.upper()[: request.max_new_tokens]
+        for char in text:
+            await asyncio.sleep(self.delay)
+            if request.id in self.cancelled:
+                return
+            self.pool.deliver(self.link, encode_frame(TokenChunk(request.id, char, 1)))
+        done = GenerateDone(request.id, "length", len(request.prompt), len(text), 1.0, 2.0)
+        self.pool.deliver(self.link, encode_frame(done))
+
+
+def make_textgen(model, alias: str | None = "production", **limits) -> ModelVersion:
+    number = model.versions.count() + 1
+    version = ModelVersion(
+        model=model,
+        version=number,
+        sha256=f"{number:064x}",
+        format=ArtifactFormat.TEXTGEN,
+        inputs=TEXTGEN_INPUTS,
+        outputs=TEXTGEN_OUTPUTS,
+        **limits,
+    )
+    version.artifact.save(f"{version.sha256}.textgen", ContentFile(b"weights"), save=False)
+    version.save()
+    if alias:
+        set_alias(model, alias, version)
+    return version
+
+
+# The consumers reach the database from worker threads: committed data, real connections.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def writer(world):
+    model = make_model(world.a, "writer", task="generator")
+    world.version = make_textgen(model, max_input_tokens=40, max_output_tokens=64)
+    return world
+
+
+@pytest.fixture
+def state(monkeypatch):
+    """A gateway state of the test's own (no refresh loop), used by both front doors."""
+    holder: dict[str, GatewayState] = {}
+
+    def get_state() -> GatewayState:
+        if "state" not in holder:
+            holder["state"] = GatewayState()
+        return holder["state"]
+
+    monkeypatch.setattr(generate_ws, "get_state", get_state)
+    monkeypatch.setattr(openai_api, "get_state", get_state)
+    return get_state
+
+
+@asynccontextmanager
+async def socket(key: str | None, model: str = "writer"):
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    communicator = WebsocketCommunicator(
+        URLRouter(websocket_urlpatterns), f"/ws/v1/models/{model}/generate", headers=headers
+    )
+    connected, _ = await communicator.connect()
+    assert connected
+    try:
+        yield communicator
+    finally:
+        await communicator.disconnect()
+
+
+async def frames_until_end(communicator, stream_id: str) -> list[dict]:
+    """Frames of one generation up to its done or error frame."""
+    got = []
+    while True:
+        frame = await communicator.receive_json_from(timeout=5)
+        got.append(frame)
+        if frame.get("id") == stream_id and frame["type"] in ("done", "error"):
+            return got
+
+
+def run(coro_fn):
+    return async_to_sync(coro_fn)()
+
+
+def test_tokens_stream_then_a_done_frame_with_usage(writer, state):
+    async def scenario():
+        FakeAgent(state(), writer.version.pk)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g1", "prompt": "call me", "seed": 1})
+            return await frames_until_end(ws, "g1")
+
+    frames = run(scenario)
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert "".join(t["text"] for t in tokens) == "CALL ME" and len(tokens) == 7
+    done = frames[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert (done["model"], done["version"], done["arm"]) == ("writer", 1, None)
+    usage = done["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (7, 7)
+    assert usage["ttft_ms"] is not None and usage["total_ms"] >= usage["ttft_ms"]
+
+
+def test_several_generations_share_one_socket(writer, state):
+    async def scenario():
+        FakeAgent(state(), writer.version.pk, delay=0.005)
+        async with socket(writer.key_a) as ws:
+            for name in ("a", "b"):
+                await ws.send_json_to({"type": "generate", "id": name, "prompt": name * 5})
+            texts: dict[str, str] = {"a": "", "b": ""}
+            done = set()
+            while done != {"a", "b"}:
+                frame = await ws.receive_json_from(timeout=5)
+                if frame["type"] == "token":
+                    texts[frame["id"]] += frame["text"]
+                elif frame["type"] == "done":
+                    done.add(frame["id"])
+            return texts
+
+    assert run(scenario) == {"a": "AAAAA", "b": "BBBBB"}
+
+
+def test_key_in_the_first_message_and_bad_keys(writer, state):
+    async def scenario():
+        FakeAgent(state(), writer.version.pk)
+        async with socket(None) as ws:
+            await ws.send_json_to({"type": "auth", "api_key": writer.key_a})
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "ok"})
+            good = await frames_until_end(ws, "g")
+        async with socket("sy_bad_key") as ws:
+            refused = await ws.receive_json_from(timeout=5)
+            closed = await ws.receive_output(timeout=5)
+        async with socket(None) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "ok"})
+            early = await ws.receive_json_from(timeout=5)
+        return good, refused, closed, early
+
+    good, refused, closed, early = run(scenario)
+    assert good[-1]["type"] == "done"
+    assert refused["code"] == "unauthorized" and "invalid or revoked" in refused["message"]
+    assert closed == {"type": "websocket.close", "code": 4401}
+    assert early["code"] == "unauthorized" and "authenticate first" in early["message"]
+
+
+@pytest.mark.parametrize(
+    "message, code, words",
+    [
+        ("{not json", "bad_request", "malformed JSON"),
+        ('{"type": "dance"}', "bad_request", "expected"),
+        ('{"type": "generate", "id": "g"}', "bad_request", "prompt"),
+        ('{"type": "generate", "id": "g", "prompt": "x", "top_p": 0}', "bad_request", "top_p"),
+        ('{"type": "generate", "id": "g", "prompt": "x", "bogus": 1}', "bad_request", "bogus"),
+        ('{"type": "generate", "id": "g", "prompt": "' + "x" * 41 + '"}', "bad_request", "41"),
+        ('{"type": "generate", "id": "g", "prompt": "x", "max_tokens": 65}', "bad_request", "64"),
+    ],
+)
+def test_bad_frames_get_an_error_frame_and_the_socket_stays_open(
+    writer, state, message, code, words
+):
+    async def scenario():
+        FakeAgent(state(), writer.version.pk)
+        async with socket(writer.key_a) as ws:
+            await ws.send_to(text_data=message)
+            error = await ws.receive_json_from(timeout=5)
+            await ws.send_json_to({"type": "generate", "id": "after", "prompt": "still here"})
+            after = await frames_until_end(ws, "after")
+        return error, after
+
+    error, after = run(scenario)
+    assert error["type"] == "error" and error["code"] == code and words in error["message"]
+    assert after[-1]["type"] == "done"
+
+
+def test_unknown_other_tenants_and_tensor_models(writer, state):
+    make_textgen(make_model(writer.b, "theirs", task="generator"))
+    make_version(make_model(writer.a, "clf"), small_onnx())
+
+    async def scenario():
+        answers = {}
+        for model in ("nope", "theirs", "clf"):
+            async with socket(writer.key_a, model) as ws:
+                await ws.send_json_to({"type": "generate", "id": "g", "prompt": "x"})
+                answers[model] = await ws.receive_json_from(timeout=5)
+        return answers
+
+    answers = run(scenario)
+    assert answers["nope"]["code"] == "not_found" and answers["theirs"]["code"] == "not_found"
+    assert answers["clf"]["code"] == "bad_request"
+    assert "does not generate text" in answers["clf"]["message"]
+
+
+def test_tenant_stream_and_token_budgets(writer, state):
+    from tenants.models import Quota
+
+    Quota.objects.filter(tenant=writer.a).update(max_concurrent_streams=1, tokens_per_minute=12)
+
+    async def scenario():
+        FakeAgent(state(), writer.version.pk, delay=0.02)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "one", "prompt": "abcdef"})
+            await ws.send_json_to({"type": "generate", "id": "two", "prompt": "abcdef"})
+            frames = await frames_until_end(ws, "one")
+            await ws.send_json_to({"type": "generate", "id": "three", "prompt": "abc"})
+            frames += await frames_until_end(ws, "three")
+        return frames
+
+    frames = run(scenario)
+    errors = {f["id"]: f for f in frames if f["type"] == "error"}
+    assert (
+        errors["two"]["code"] == "rate_limited" and "concurrent streams" in errors["two"]["message"]
+    )
+    # 6 prompt + 6 generated tokens spent the 12 a minute: the next stream waits.
+    assert (
+        errors["three"]["code"] == "rate_limited" and "token budget" in errors["three"]["message"]
+    )
+
+
+def test_cancel_and_closing_the_socket_stop_the_agent(writer, state):
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk, delay=0.02)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "x" * 30})
+            await ws.receive_json_from(timeout=5)  # the first token
+            await ws.send_json_to({"type": "cancel", "id": "g"})
+            frames = await frames_until_end(ws, "g")
+            await ws.send_json_to({"type": "generate", "id": "h", "prompt": "y" * 30})
+            await ws.receive_json_from(timeout=5)
+        await asyncio.sleep(0.05)  # the disconnect's cancel reaches the agent
+        return agent, frames
+
+    agent, frames = run(scenario)
+    assert frames[-1] == {"type": "done", "id": "g", "finish_reason": "cancelled"}
+    assert agent.cancelled == [r.id for r in agent.requests]  # both: cancel, then close
+    assert not state().pool._links[0].streams  # nothing left in flight
+
+
+def test_an_agent_lost_mid_stream_ends_it_with_an_error_frame(writer, state):
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk, delay=0.02)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "x" * 30})
+            await ws.receive_json_from(timeout=5)
+            state().pool.remove(agent.link, "the serving agent disconnected during the request")
+            return await frames_until_end(ws, "g")
+
+    error = run(scenario)[-1]
+    assert error["type"] == "error" and error["code"] == "agent_failed"
+    assert "disconnected" in error["message"]
+
+
+def test_a_client_that_does_not_read_is_cut_off_not_buffered():
+    sent: list[bytes] = []
+
+    async def send(frame: bytes) -> None:
+        sent.append(frame)
+
+    async def scenario():
+        stream = Stream(7, send)
+        streams = {7: stream}
+        for _ in range(STREAM_BUFFER):
+            assert stream.push(TokenChunk(7, "x", 1))
+        from gateway.dispatch import AgentPool
+
+        AgentPool._feed(streams, TokenChunk(7, "x", 1))  # one more than the buffer holds
+        await asyncio.sleep(0)
+        with pytest.raises(SlowClient):
+            await stream.next(1.0)
+        return streams
+
+    streams = run(scenario)
+    assert streams == {} and isinstance(decode_frame(sent[0])[0], CancelGenerate)
+
+
+# OpenAI-compatible HTTP ----------------------------------------------------------------------
+
+
+def openai_post(key: str, path: str, body: dict):
+    async def call():
+        response = await AsyncClient().post(
+            path, body, content_type="application/json", headers={"Authorization": f"Bearer {key}"}
+        )
+        if response.streaming:
+            text = "".join([part.decode() async for part in response.streaming_content])
+            return response, text
+        return response, response.json()
+
+    return call
+
+
+def test_openai_completion_whole_and_streamed(writer, state):
+    async def scenario():
+        FakeAgent(state(), writer.version.pk)
+        body = {"model": "writer", "prompt": "hello", "max_tokens": 10}
+        whole = await openai_post(writer.key_a, "/v1/completions", body)()
+        streamed = await openai_post(writer.key_a, "/v1/completions", body | {"stream": True})()
+        return whole, streamed
+
+    (response, whole), (events_response, events) = run(scenario)
+    assert response.status_code == 200 and whole["object"] == "text_completion"
+    assert (
+        whole["choices"][0]["text"] == "HELLO" and whole["choices"][0]["finish_reason"] == "length"
+    )
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert events_response["Content-Type"] == "text/event-stream"
+    lines = [line[6:] for line in events.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "HELLO"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_chat_uses_the_template_and_stops_at_the_next_user_turn(writer, state):
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk)
+        body = {
+            "model": "writer",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+            "max_tokens": 30,
+        }
+        answer = await openai_post(writer.key_a, "/v1/chat/completions", body)()
+        return agent, answer
+
+    agent, (response, answer) = run(scenario)
+    assert response.status_code == 200 and answer["object"] == "chat.completion"
+    assert agent.requests[0].prompt == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+    assert "\n\nUser:" in agent.requests[0].stop
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "key_name, body, status, error_type, words",
+    [
+        ("bad", {"model": "writer", "prompt": "x"}, 401, "authentication_error", "invalid"),
+        ("a", {"model": "writer"}, 400, "invalid_request_error", "prompt"),
+        ("a", {"model": "writer", "prompt": "x", "n": 2}, 400, "invalid_request_error", "n"),
+        ("a", {"model": "nope", "prompt": "x"}, 404, "invalid_request_error", "not found"),
+        ("b", {"model": "writer", "prompt": "x"}, 404, "invalid_request_error", "not found"),
+    ],
+)
+def test_openai_errors_in_openais_shape(writer, state, key_name, body, status, error_type, words):
+    key = {"a": writer.key_a, "b": writer.key_b, "bad": "sy_bad_key"}[key_name]
+    response, answer = run(openai_post(key, "/v1/completions", body))
+    assert response.status_code == status
+    assert answer["error"]["type"] == error_type and words in answer["error"]["message"]
