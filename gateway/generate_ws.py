@@ -1,7 +1,8 @@
 """The client websocket for text generation: ``/ws/v1/models/{name}/generate``.
 
 Authenticate with ``Authorization: Bearer <key>`` on the handshake, or a first message
-``{"type": "auth", "api_key": "sy_..."}``. Then, any number of times, possibly at once:
+``{"type": "auth", "api_key": "sy_..."}`` (the web UI's playground uses the signed-in session,
+same-origin only). Then, any number of times, possibly at once:
 
     → {"type": "generate", "id": "g1", "prompt": "...", "max_tokens": 64, "temperature": 0.8,
        "top_p": 0.95, "stop": ["\\n\\n"], "seed": 7, "routing_key": "user-42"}
@@ -22,14 +23,19 @@ import asyncio
 import json
 import logging
 import uuid
+from urllib.parse import urlsplit
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.http.request import validate_host
 from pydantic import ValidationError
 
 from .dispatch import SlowClient
 from .generation import GenerateParams, start_generation
 from .pipeline import ApiError, authenticate
 from .state import get_state
+from .web_tenancy import session_identity
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,15 @@ CODES = {
 }
 
 
+def same_site(origin: bytes | None) -> bool:
+    """A cookie-authenticated socket must come from a page of this site (no other site may
+    open one with a user's cookie)."""
+    if not origin:
+        return False
+    host = urlsplit(origin.decode("latin-1")).netloc
+    return validate_host(host.rsplit(":", 1)[0], settings.ALLOWED_HOSTS)
+
+
 class GenerateRequestMessage(GenerateParams):
     type: str
     id: str | None = None
@@ -63,8 +78,13 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         await self.accept()
         headers = dict(self.scope.get("headers") or [])
         authorization = headers.get(b"authorization")
+        user = self.scope.get("user")
         if authorization is not None:
             await self._authenticate(authorization.decode("latin-1"))
+        elif user is not None and user.is_authenticated and same_site(headers.get(b"origin")):
+            self.identity = await database_sync_to_async(session_identity)(
+                user, self.scope["session"]
+            )
 
     async def disconnect(self, code: int) -> None:
         for task in self.running.values():

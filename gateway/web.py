@@ -70,6 +70,20 @@ def model_detail(request: HttpRequest, name: str) -> HttpResponse:
 
 
 @tenant_view
+def playground(request: HttpRequest, name: str) -> HttpResponse:
+    """Type a prompt, watch the tokens stream over the generation websocket (signed in with
+    the session), see time to first token and tokens per second."""
+    model = get_object_or_404(models_of(_tenant_id(request)), name=name)
+    production = model.aliases.select_related("version").filter(name="production").first()
+    version = production.version if production else None
+    return page(
+        request,
+        "playground.html",
+        {"model": model, "version": version, "generates": bool(version and version.generates_text)},
+    )
+
+
+@tenant_view
 def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
     plan = get_object_or_404(
         RolloutPlan.objects.select_related("model", "baseline", "candidate", "created_by"),

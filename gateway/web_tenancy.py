@@ -10,7 +10,8 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from tenants.models import Membership, Role, Tenant
+from tenants.keys import DEFAULT_QUOTA, KeyIdentity
+from tenants.models import Membership, Quota, Role, Tenant
 
 SESSION_KEY = "ui_tenant_id"
 WRITE_ROLES = {Role.ENGINEER, Role.APPROVER}
@@ -56,3 +57,22 @@ def tenant_view(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
 
 def can_write(membership: Membership) -> bool:
     return membership.role in WRITE_ROLES
+
+
+def session_identity(user, session) -> KeyIdentity | None:
+    """The data-path identity of a signed-in user acting in their session's tenant (the UI's
+    playground): the tenant's quota, as one of its API keys would carry it."""
+    membership = current_membership(user, session)
+    if membership is None:
+        return None
+    tenant = membership.tenant
+    quota = Quota.objects.filter(tenant=tenant).first() or DEFAULT_QUOTA
+    return KeyIdentity(
+        key_id=0,
+        tenant_id=tenant.pk,
+        tenant_slug=tenant.slug,
+        rate=quota.requests_per_second,
+        burst=quota.burst,
+        max_streams=quota.max_concurrent_streams,
+        tokens_per_minute=quota.tokens_per_minute,
+    )

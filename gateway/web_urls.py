@@ -13,6 +13,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
     path("tenant/", web.switch_tenant, name="switch-tenant"),
     path("models/<str:name>/", web.model_detail, name="model"),
+    path("models/<str:name>/playground/", web.playground, name="playground"),
     path("rollouts/<int:plan_id>/", web.rollout_detail, name="rollout"),
     path("approvals/", web.approvals, name="approvals"),
     path("approvals/<int:approval_id>/", web.approval_detail, name="approval"),

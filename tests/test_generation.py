@@ -110,8 +110,10 @@ def state(monkeypatch):
 
 
 @asynccontextmanager
-async def socket(key: str | None, model: str = "writer"):
-    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+async def socket(key: str | None, model: str = "writer", headers: list | None = None):
+    headers = list(headers or [])
+    if key:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
     communicator = WebsocketCommunicator(
         URLRouter(websocket_urlpatterns), f"/ws/v1/models/{model}/generate", headers=headers
     )
@@ -323,6 +325,35 @@ def test_a_client_that_does_not_read_is_cut_off_not_buffered():
 
     streams = run(scenario)
     assert streams == {} and isinstance(decode_frame(sent[0])[0], CancelGenerate)
+
+
+def test_the_playground_streams_with_the_signed_in_session(writer, state, client):
+    client.force_login(writer.engineer_a)
+    page = client.get("/models/writer/playground/")
+    assert page.status_code == 200 and b'data-model="writer"' in page.content
+    cookie = (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())
+
+    async def scenario():
+        FakeAgent(state(), writer.version.pk)
+        same_site = [cookie, (b"origin", b"http://localhost:8000")]
+        async with socket(None, headers=same_site) as ws:
+            await ws.send_json_to({"type": "generate", "id": "p", "prompt": "hi"})
+            done = (await frames_until_end(ws, "p"))[-1]
+        other_site = [cookie, (b"origin", b"http://evil.example")]
+        async with socket(None, headers=other_site) as ws:
+            await ws.send_json_to({"type": "generate", "id": "p", "prompt": "hi"})
+            refused = await ws.receive_json_from(timeout=5)
+        return done, refused
+
+    done, refused = run(scenario)
+    assert done["type"] == "done" and done["usage"]["output_tokens"] == 2
+    assert refused["code"] == "unauthorized"
+
+
+def test_the_playground_of_another_tenants_model_is_404(writer, client):
+    client.force_login(writer.engineer_a)
+    make_textgen(make_model(writer.b, "theirs", task="generator"))
+    assert client.get("/models/theirs/playground/").status_code == 404
 
 
 # OpenAI-compatible HTTP ----------------------------------------------------------------------
