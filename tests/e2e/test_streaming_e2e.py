@@ -1,0 +1,192 @@
+"""Token streaming with real processes: the ASGI server (uvicorn), a serving agent running the
+torch engine, and Redis + PostgreSQL (or the embedded default). A websocket client receives
+tokens incrementally; several streams share decode steps and each gets exactly its solo text;
+closing or cancelling stops decoding at the agent; an agent killed mid-stream ends the stream
+with an error frame; the stock OpenAI client library works against /v1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from websockets.sync.client import connect
+
+from .conftest import BACKENDS, platform_with_agent, wait_ready
+from .harness import create_tenant, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "writer"
+# A context long enough that a stream can run for seconds: cancellation must cut it short.
+LONG = {"context": 1024, "n_layer": 2, "n_head": 2, "n_embd": 32}
+STATS = """
+import json
+from gateway.models import AgentSession
+session = AgentSession.objects.filter(disconnected_at__isnull=True).latest("pk")
+print(json.dumps(session.stats))
+"""
+
+
+def textgen_artifact(**config) -> bytes:
+    import torch
+
+    from serving_agent.textgen import TextGenConfig, TextGenModel, to_safetensors
+
+    torch.manual_seed(0)
+    return to_safetensors(TextGenModel(TextGenConfig(**config)))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def platform(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"streaming-{request.param}")
+    env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
+    with platform_with_agent(request.param, tmp, env) as (backend, url, procs):
+        key = create_tenant(backend, "t")
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
+            created = api.post("/api/v1/models", json={"name": MODEL, "task": "generator"})
+            assert created.status_code == 201, created.text
+            files = {"artifact": ("w.safetensors", textgen_artifact(**LONG), "application/x")}
+            limits = {"format": "textgen", "max_input_tokens": "64", "max_output_tokens": "900"}
+            version = api.post(f"/api/v1/models/{MODEL}/versions", files=files, data=limits)
+            assert version.status_code == 201, version.text
+            moved = api.put(f"/api/v1/models/{MODEL}/aliases/production", json={"version": 1})
+            assert moved.status_code == 200, moved.text
+            wait_ready(api, MODEL, timeout=60, proc=procs[1])
+        yield backend, url, key, procs
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + f"/ws/v1/models/{MODEL}/generate"
+
+
+def generate(ws, stream_id: str, prompt: str, **params) -> list[dict]:
+    ws.send(json.dumps({"type": "generate", "id": stream_id, "prompt": prompt} | params))
+    frames = []
+    while True:
+        frame = json.loads(ws.recv(timeout=60))
+        frames.append(frame)
+        if frame["id"] == stream_id and frame["type"] in ("done", "error"):
+            return frames
+
+
+def text_of(frames: list[dict]) -> str:
+    return "".join(f["text"] for f in frames if f["type"] == "token")
+
+
+def agent_stats(backend) -> dict:
+    return json.loads(backend.shell(STATS))
+
+
+def test_tokens_arrive_incrementally_with_right_usage(platform):
+    backend, url, key, _ = platform
+    with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        frames = generate(ws, "g1", "Call me Ishmael.", max_tokens=40, temperature=0)
+    tokens = [f for f in frames if f["type"] == "token"]
+    done = frames[-1]
+    assert done["type"] == "done", done
+    assert len(tokens) >= 2 and frames.index(tokens[-1]) < len(frames) - 1
+    usage = done["usage"]
+    assert usage["input_tokens"] == len(b"Call me Ishmael.")
+    assert usage["output_tokens"] == sum(t["tokens"] for t in tokens) == 40
+    assert done["finish_reason"] == "length"
+    assert 0 < usage["ttft_ms"] <= usage["total_ms"] and usage["tokens_per_second"] > 0
+
+
+def test_concurrent_streams_share_decode_steps_and_match_their_solo_text(platform):
+    backend, url, key, _ = platform
+    prompts = {f"s{i}": f"{'Whale ' * i}ahoy {i}" for i in range(4)}
+    headers = {"Authorization": f"Bearer {key}"}
+    with connect(ws_url(url), additional_headers=headers) as ws:
+        solo = {
+            sid: text_of(generate(ws, sid, p, max_tokens=60, temperature=0))
+            for sid, p in prompts.items()
+        }
+    together: dict[str, str] = {}
+
+    def one(sid: str, prompt: str) -> None:
+        with connect(ws_url(url), additional_headers=headers) as ws:
+            together[sid] = text_of(generate(ws, sid, prompt, max_tokens=60, temperature=0))
+
+    threads = [threading.Thread(target=one, args=item) for item in prompts.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert together == solo
+    wait_until(lambda: agent_stats(backend).get("max_decode_batch", 0) >= 2, 10)
+
+
+def test_cancel_and_closing_stop_decoding_on_the_agent(platform):
+    backend, url, key, _ = platform
+    before = agent_stats(backend)
+    headers = {"Authorization": f"Bearer {key}"}
+    with connect(ws_url(url), additional_headers=headers) as ws:
+        ws.send(json.dumps({"type": "generate", "id": "c", "prompt": "Go", "max_tokens": 900}))
+        first = json.loads(ws.recv(timeout=30))
+        assert first["type"] == "token"
+        ws.send(json.dumps({"type": "cancel", "id": "c"}))
+        while (frame := json.loads(ws.recv(timeout=30)))["type"] == "token":
+            pass
+        assert frame == {"type": "done", "id": "c", "finish_reason": "cancelled"}
+        ws.send(json.dumps({"type": "generate", "id": "d", "prompt": "Go", "max_tokens": 900}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "token"
+    # The socket is closed mid-stream: the agent stops that one too.
+
+    def both_cancelled() -> bool:
+        stats = agent_stats(backend)
+        return stats["streams_cancelled_total"] - before["streams_cancelled_total"] == 2
+
+    wait_until(both_cancelled, 10)
+    time.sleep(1.0)  # a stream that kept decoding would keep adding tokens
+    generated = agent_stats(backend)["tokens_generated_total"] - before["tokens_generated_total"]
+    assert generated < 900  # two streams of up to 900 tokens each were cut short
+
+
+def test_limits_and_bad_input_get_error_frames(platform):
+    _, url, key, _ = platform
+    with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        long_prompt = generate(ws, "a", "x" * 65)[-1]
+        too_many = generate(ws, "b", "x", max_tokens=901)[-1]
+        ws.send("{not json")
+        malformed = json.loads(ws.recv(timeout=10))
+    assert long_prompt["code"] == "bad_request" and "at most 64" in long_prompt["message"]
+    assert too_many["code"] == "bad_request" and "at most 900" in too_many["message"]
+    assert malformed["code"] == "bad_request"
+    with connect(ws_url(url), additional_headers={"Authorization": "Bearer sy_nope_nope"}) as ws:
+        assert json.loads(ws.recv(timeout=10))["code"] == "unauthorized"
+
+
+def test_the_openai_client_library_works_unchanged(platform):
+    _, url, key, _ = platform
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    whole = client.completions.create(model=MODEL, prompt="The sea", max_tokens=12, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    streamed = client.completions.create(
+        model=MODEL, prompt="The sea", max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sy_bad_key", max_retries=0).models.list()
+    assert MODEL in [m.id for m in client.models.list()]
+
+
+def test_an_agent_killed_mid_stream_ends_the_stream_with_an_error(platform):
+    _, url, key, procs = platform
+    agent = procs[1]
+    with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        ws.send(json.dumps({"type": "generate", "id": "k", "prompt": "Go", "max_tokens": 900}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "token"
+        agent.popen.kill()
+        killed_at = time.monotonic()
+        while (frame := json.loads(ws.recv(timeout=30)))["type"] == "token":
+            pass
+    assert frame["type"] == "error" and frame["code"] == "agent_failed", frame
+    assert time.monotonic() - killed_at < 10
