@@ -167,6 +167,7 @@ def main() -> None:
         "predict": "/api/v1/models/fraud-detector/predict",
     }
     rows = []
+    running: list[Proc] = []  # stopped in ``finally`` too, so a failed run leaves nothing behind
     try:
         for label, server, kind, hop in (CASES[c] for c in args.cases.split(",")):
             if label == CASES["canary"][0]:
@@ -184,6 +185,7 @@ def main() -> None:
             agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {url} --token {token} "
             agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
             agent = Proc("agent", agent_cmd.split(), env, tmp)
+            running[:] = [*servers, agent]
             headers = {"Authorization": f"Bearer {key}"}
             ready = f"{url}/v2/models/fraud-detector/ready"
             wait_until(partial(_ok, ready, headers), 60, agent)
@@ -219,6 +221,8 @@ def main() -> None:
                 proc.stop()
         single, batched = in_process_onnx(Path(artifact).read_bytes())
     finally:
+        for proc in running:
+            proc.stop()
         backend.close()
         redis.terminate()
     table = _table(rows, single, batched)
