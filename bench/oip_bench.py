@@ -145,6 +145,7 @@ def main() -> None:
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     backend = services_backend(tmp)
+    backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # the text model plays no part here
     creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
     key, token = creds["api_key"], creds["node_token"]
     artifact = backend.shell(
