@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"artifact cache (env SWITCHYARD_AGENT_CACHE, default {DEFAULT_CACHE})",
     )
     parser.add_argument("--name", help="node name reported to the platform (default: hostname)")
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads for ONNX Runtime and torch"
+    )
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )

@@ -1,4 +1,5 @@
-"""The agent's connection to the platform: hello, assignments, inference frames, heartbeats.
+"""The agent's connection to the platform: hello, assignments, inference and generation frames,
+heartbeats.
 
 Each step is a small method that can be tested alone; ``Agent.run`` strings them together and
 reconnects. Loaded versions belong to the agent, not to a connection, so they survive
@@ -16,7 +17,9 @@ import time
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 from pydantic import ValidationError
@@ -32,6 +35,8 @@ from ._signature import check_inputs
 from .protocol import (
     AGENT_WS_PATH,
     Assign,
+    CancelGenerate,
+    GenerateRequest,
     Heartbeat,
     Hello,
     InferError,
@@ -46,6 +51,9 @@ from .protocol import (
     unpack_frames,
 )
 
+if TYPE_CHECKING:
+    from ._generate import Engine, Reply  # imports torch; loaded only for textgen versions
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -54,9 +62,10 @@ LATENCY_WINDOW = 1024
 
 VersionState = Literal["loading", "ready", "failed", "unloaded"]
 
-# Fields that change what is loaded; a change in any other field (batching limits) is applied
-# to the running version without reloading it.
+# Fields that change what is loaded; a change in any other field (batching or generation
+# limits) is applied to the running version without reloading it.
 _ARTIFACT_FIELDS = {"sha256", "format", "device", "inputs", "outputs"}
+_GENERATION_TOTALS = ("decode_steps_total", "streams_cancelled_total", "tokens_generated_total")
 
 
 def ws_url(platform: str) -> str:
@@ -105,6 +114,22 @@ class Loaded:
     spec: VersionSpec
     runtime: Runtime
     batcher: Batcher
+
+    @property
+    def provider(self) -> str:
+        return self.runtime.provider
+
+
+@dataclass(eq=False)
+class LoadedTextGen:
+    """A ready ``textgen`` version: its spec and the engine decoding its streams."""
+
+    spec: VersionSpec
+    engine: Engine
+
+    @property
+    def provider(self) -> str:
+        return self.engine.provider
 
 
 class Stats:
@@ -156,14 +181,17 @@ class Agent:
         self.headers = {"Authorization": f"Bearer {token}"}
         self.connection: Sender | None = None
         self.heartbeat_s = 5.0
-        self.versions: dict[int, Loaded] = {}
+        self.versions: dict[int, Loaded | LoadedTextGen] = {}
         self.stats = Stats()
+        # Generation counters of unloaded versions, so the heartbeat's totals never go back.
+        self._generation_retired = dict.fromkeys((*_GENERATION_TOTALS, "max_decode_batch"), 0)
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
         self._hello: Hello | None = None
         self._heartbeats: asyncio.Task[None] | None = None
         self._requests: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._outbox: list[bytes] = []
+        self._replier: tuple[Sender | None, Reply] | None = None
 
     # Connection -------------------------------------------------------------------------------
 
@@ -255,6 +283,8 @@ class Agent:
             closer.cancel()
             for task in list(self._requests):
                 task.cancel()  # their replies have nowhere to go; the platform fails them
+            for engine in self.engines():
+                engine.cancel_all()  # nobody reads those streams any more; free their rows
         if not stop.is_set():
             logger.warning("platform closed the connection (code %s)", ws.close_code)
 
@@ -278,10 +308,19 @@ class Agent:
             pass
 
     async def send_frame(self, frame: bytes) -> None:
-        """Queue a reply frame; the first sender of an event-loop turn sends all of the turn's
-        frames as one message (a finished batch wakes all its requests in the same turn)."""
-        self._outbox.append(frame)
-        if len(self._outbox) > 1:
+        await self.send_frames([frame])
+
+    async def send_frames(self, frames: list[bytes], connection: Sender | None = None) -> None:
+        """Queue reply frames; the first sender of an event-loop turn sends all of the turn's
+        frames as one message (a finished batch wakes all its requests in the same turn).
+
+        With ``connection``, the frames are dropped unless it is still the current one: a
+        generation stream answers only on the connection it came from.
+        """
+        if connection is not None and connection is not self.connection:
+            return
+        self._outbox.extend(frames)
+        if len(self._outbox) > len(frames):
             return  # an earlier reply of this turn is the flusher
         try:
             await asyncio.sleep(0)  # let the rest of this turn's replies join
@@ -299,13 +338,32 @@ class Agent:
     def heartbeat(self) -> Heartbeat:
         p50, p99 = self.stats.percentiles_ms()
         return Heartbeat(
-            queue_depth=sum(v.batcher.depth for v in self.versions.values()),
+            queue_depth=sum(
+                v.batcher.depth for v in self.versions.values() if isinstance(v, Loaded)
+            ),
             in_flight=self.stats.in_flight,
             requests_total=self.stats.requests_total,
             errors_total=self.stats.errors_total,
             p50_ms=p50,
             p99_ms=p99,
+            streams_active=sum(e.streams_active for e in self.engines()),
+            **self.generation_totals(),
         )
+
+    def engines(self) -> list[Engine]:
+        return [v.engine for v in self.versions.values() if isinstance(v, LoadedTextGen)]
+
+    def generation_totals(self) -> dict[str, int]:
+        """Generation counters summed over engines, past ones included; the largest batch is
+        the largest any engine ran."""
+        totals = dict(self._generation_retired)
+        for engine in self.engines():
+            for name in _GENERATION_TOTALS:
+                totals[name] += getattr(engine.stats, name)
+            totals["max_decode_batch"] = max(
+                totals["max_decode_batch"], engine.stats.max_decode_batch
+            )
+        return totals
 
     def handle_message(self, message: str | bytes) -> None:
         """Dispatch one incoming message; never blocks, so the reader keeps reading."""
@@ -356,7 +414,7 @@ class Agent:
             if loaded is not None and not needs_reload(loaded.spec, spec):
                 self._set_limits(loaded, spec)
                 # Repeat the state: after a reconnect the platform has not heard it from us.
-                self._spawn(self.send_status(version_id, "ready", provider=loaded.runtime.provider))
+                self._spawn(self.send_status(version_id, "ready", provider=loaded.provider))
             elif loading is not None and not needs_reload(loading[0], spec):
                 self._loading[version_id] = (spec, loading[1])  # the load applies these limits
                 self._spawn(self.send_status(version_id, "loading"))
@@ -365,8 +423,11 @@ class Agent:
                     self.unload(version_id, report=False)
                 self._loading[version_id] = (spec, self._spawn(self.load(spec)))
 
-    def _set_limits(self, loaded: Loaded, spec: VersionSpec) -> None:
+    def _set_limits(self, loaded: Loaded | LoadedTextGen, spec: VersionSpec) -> None:
         loaded.spec = spec
+        if isinstance(loaded, LoadedTextGen):
+            loaded.engine.set_limits(spec.generation)
+            return
         loaded.batcher.max_batch_size = spec.max_batch_size
         loaded.batcher.max_queue_delay_ms = spec.max_queue_delay_ms
         loaded.batcher.max_queue = spec.max_queue
@@ -382,6 +443,8 @@ class Agent:
             return await self._load_failed(version_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"download failed: {exc}")
+        if spec.format == "textgen":
+            return await self.load_textgen(spec, path)
         try:
             runtime = await asyncio.to_thread(load_runtime, path, spec, self.threads)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
@@ -412,6 +475,26 @@ class Agent:
         )
         await self.send_status(version_id, "ready", provider=runtime.provider)
 
+    async def load_textgen(self, spec: VersionSpec, path: Path) -> None:
+        """Load a textgen artifact onto an engine, warm it up with a tiny generation, report."""
+        from ._generate import load_engine  # torch is imported only by nodes that generate
+
+        version_id = spec.version_id
+        try:
+            engine, warm_s = await asyncio.to_thread(load_engine, path, spec, self.threads)
+        except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
+            return await self._load_failed(version_id, f"load failed: {exc}")
+        spec = self._loading.pop(version_id)[0]  # the latest assigned limits
+        engine.set_limits(spec.generation)
+        self.versions[version_id] = LoadedTextGen(spec, engine)
+        logger.info(
+            "version %d ready on %s (textgen, warm-up generation %.1f ms)",
+            version_id,
+            engine.provider,
+            warm_s * 1000,
+        )
+        await self.send_status(version_id, "ready", provider=engine.provider)
+
     async def _load_failed(self, version_id: int, detail: str) -> None:
         # No await since the failing step: this task is still the one registered for the id.
         self._loading.pop(version_id, None)
@@ -430,7 +513,15 @@ class Agent:
         if report:
             self._spawn(self.send_status(version_id, "unloaded"))
 
-    async def _close(self, loaded: Loaded) -> None:
+    async def _close(self, loaded: Loaded | LoadedTextGen) -> None:
+        if isinstance(loaded, LoadedTextGen):
+            await loaded.engine.stop()
+            stats = loaded.engine.stats
+            for name in _GENERATION_TOTALS:
+                self._generation_retired[name] += getattr(stats, name)
+            retired = self._generation_retired
+            retired["max_decode_batch"] = max(retired["max_decode_batch"], stats.max_decode_batch)
+            return
         await loaded.batcher.stop()
         loaded.runtime.close()
 
@@ -468,10 +559,35 @@ class Agent:
                 return
             self._track(self.reply(error_frame(request_id, BadInput(str(exc))), received, False))
             return
-        if not isinstance(header, InferRequest):
+        if isinstance(header, InferRequest):
+            self._track(self.serve_request(header, arrays, received))
+        elif isinstance(header, GenerateRequest):
+            self.start_generation(header, received)
+        elif isinstance(header, CancelGenerate):
+            for engine in self.engines():
+                engine.cancel(header.id)
+        else:
             logger.warning("ignoring %s frame from the platform", type(header).__name__)
-            return
-        self._track(self.serve_request(header, arrays, received))
+
+    def start_generation(self, request: GenerateRequest, received: float) -> None:
+        """Hand a stream to its version's engine, or answer with the error it gets."""
+        loaded = self.versions.get(request.version_id)
+        try:
+            if loaded is None:
+                raise NotLoaded(f"version {request.version_id} is not ready on this agent")
+            if not isinstance(loaded, LoadedTextGen):
+                raise BadInput(f"version {request.version_id} does not generate text")
+            loaded.engine.submit(request, self.replier(), received)
+        except Exception as exc:  # noqa: BLE001 - every request id gets a reply
+            self._track(self.send_frame(error_frame(request.id, exc)))
+
+    def replier(self) -> Reply:
+        """Sends a stream's frames on the current connection, and never on a later one. One
+        object per connection, so an engine step's frames go out together."""
+        connection = self.connection
+        if self._replier is None or self._replier[0] is not connection:
+            self._replier = (connection, partial(self.send_frames, connection=connection))
+        return self._replier[1]
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -505,6 +621,8 @@ class Agent:
         loaded = self.versions.get(request.version_id)
         if loaded is None:
             raise NotLoaded(f"version {request.version_id} is not ready on this agent")
+        if isinstance(loaded, LoadedTextGen):
+            raise BadInput(f"version {request.version_id} generates text: send generate frames")
         inputs = {t.name: a for t, a in zip(request.inputs, arrays, strict=True)}
         if len(inputs) != len(request.inputs):
             raise BadInput("duplicate input names")

@@ -1,0 +1,411 @@
+"""Text generation for ``textgen`` versions: continuous batching over a KV cache.
+
+One ``Engine`` per loaded version. Its scheduler task loops while streams are live; each turn is
+one step on a worker thread: drop cancelled streams, admit new ones (prefill their prompts into
+free cache rows), then ONE decode forward for every active stream, sample a token per stream and
+turn it into ``TokenChunk``/``GenerateDone`` frames. A stream that arrives mid-generation joins
+at the next step; a finished one leaves its row at once. Streams of different lengths share the
+step through per-row positions and an attention mask (``TextGenModel.forward``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ._exceptions import BadInput, NotLoaded, Overloaded
+from .protocol import (
+    FinishReason,
+    GenerateDone,
+    GenerateRequest,
+    GenerationLimits,
+    InferError,
+    TokenChunk,
+    VersionSpec,
+    encode_frame,
+)
+from .textgen import (
+    NEWLINE,
+    Detokenizer,
+    KVCache,
+    TextGenModel,
+    encode,
+    from_safetensors,
+    generate,
+    sample,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+# Sends one step's frames to the connection a stream came from. The agent drops them if that
+# connection is gone, so a stream never answers on a later connection.
+Reply = Callable[[list[bytes]], Awaitable[None]]
+
+
+@dataclass
+class GenerationStats:
+    """Counters for the heartbeat (``streams_active`` is the engine's live stream count)."""
+
+    decode_steps_total: int = 0
+    max_decode_batch: int = 0
+    streams_cancelled_total: int = 0
+    tokens_generated_total: int = 0
+
+
+@dataclass(eq=False)
+class Stream:
+    """One generation: its request, its place in the batch, and what it has produced."""
+
+    request: GenerateRequest
+    prompt: list[int]  # at least one token
+    reply: Reply
+    received: float
+    generator: torch.Generator | None  # None: greedy
+    detok: Detokenizer = field(default_factory=Detokenizer)
+    row: int = -1  # cache row while active
+    pos: int = 0  # position of ``pending``, the token the next step feeds
+    pending: int = 0
+    text: str = ""  # text so far, including what is held back (a possible stop prefix)
+    sent: int = 0  # characters of ``text`` already sent
+    unsent_tokens: int = 0
+    output_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    finish: FinishReason | None = None
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+
+def find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in ``text`` (searching from about ``start``)."""
+    found = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters might begin a stop string, so must not be sent yet."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class Engine:
+    """Decodes every stream of one textgen version together, one token per stream per step.
+
+    The event loop owns admission (``submit``, ``cancel``) and sending; the worker thread owns
+    the model, the KV cache and the active batch. They meet only between steps.
+    """
+
+    def __init__(
+        self,
+        model: TextGenModel,
+        limits: GenerationLimits | None = None,
+        *,
+        provider: str = "torch-cpu",
+        threads: int = 1,
+    ) -> None:
+        self.model = model
+        self.limits = limits or GenerationLimits()
+        self.provider = provider
+        self.stats = GenerationStats()
+        # Rows grow (doubling) with the streams actually admitted, never past max_streams.
+        self.cache = KVCache(model.config, min(4, self.limits.max_streams), model.device)
+        self._active: list[Stream] = []  # worker-owned: row i of the cache is _active[i]
+        self._live: dict[int, Stream] = {}  # loop-owned: every stream not yet finished
+        self._waiting: list[Stream] = []  # loop-owned: arrived since the last step
+        self._cancel: set[Stream] = set()  # loop-owned: to stop at the next step
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        threads = max(1, min(threads, os.cpu_count() or 1))
+        # One thread: steps run one at a time and the cache needs no locks.
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="textgen", initializer=torch.set_num_threads, initargs=(threads,)
+        )
+
+    @property
+    def streams_active(self) -> int:
+        return len(self._live)
+
+    def set_limits(self, limits: GenerationLimits | None) -> None:
+        """New limits apply to the next request; streams already running keep going."""
+        self.limits = limits or GenerationLimits()
+
+    # Event loop side ----------------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest, reply: Reply, received: float | None = None) -> None:
+        """Queue a stream for the next step, or raise the error its request gets."""
+        if self._stopped:
+            raise NotLoaded("version unloaded")
+        limits, context = self.limits, self.model.config.context
+        prompt = encode(request.prompt)
+        max_input = min(limits.max_input_tokens, context)
+        if len(prompt) > max_input:
+            raise BadInput(
+                f"prompt is {len(prompt)} tokens; this version takes at most {max_input}"
+            )
+        if request.max_new_tokens > limits.max_output_tokens:
+            raise BadInput(
+                f"max_new_tokens is {request.max_new_tokens}; "
+                f"this version generates at most {limits.max_output_tokens}"
+            )
+        if len(request.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
+            raise BadInput(f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters")
+        if request.id in self._live:
+            raise BadInput(f"request id {request.id} is already generating")
+        if len(self._live) >= limits.max_streams:
+            raise Overloaded(f"{limits.max_streams} streams already generating on this replica")
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator()
+            if request.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(request.seed)
+        stream = Stream(
+            request=request,
+            prompt=prompt or [NEWLINE],
+            reply=reply,
+            received=time.perf_counter() if received is None else received,
+            generator=generator,
+        )
+        self._live[request.id] = stream
+        self._waiting.append(stream)
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="textgen")
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a stream at the next step; it ends with ``finish_reason="cancelled"``."""
+        stream = self._live.get(request_id)
+        if stream is not None:
+            self._cancel.add(stream)
+            self._wakeup.set()
+
+    def cancel_all(self) -> None:
+        """The connection dropped: stop every stream and free its row at the next step."""
+        self._cancel.update(self._live.values())
+        self._live.clear()  # their ids are free for the next connection's requests
+        self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Finish the step in progress, fail every live stream with not_loaded, free memory."""
+        self._stopped = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        stranded = [*self._live.values()]
+        self._live.clear()
+        self._waiting.clear()
+        self._cancel.clear()
+        self._active = []
+        for stream in stranded:
+            frame = InferError(id=stream.id, code="not_loaded", message="version unloaded")
+            await stream.reply([encode_frame(frame)])
+        self._executor.shutdown(wait=False)
+        self.cache = KVCache(self.model.config, 0)  # give the memory back now
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            if not (self._waiting or self._cancel or self._active):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self.step()
+
+    async def step(self) -> None:
+        """One scheduler turn: the step on the worker thread, then its frames out."""
+        admit, self._waiting = self._waiting, []
+        cancel, self._cancel = self._cancel, set()
+        loop = asyncio.get_running_loop()
+        try:
+            out, finished = await loop.run_in_executor(self._executor, self._step, admit, cancel)
+        except Exception as exc:  # noqa: BLE001 - every stream must hear the failure
+            logger.exception("generation step failed")
+            out, finished = self._fail_all(admit, exc), [*admit, *self._active]
+            self._active = []
+        for stream in finished:
+            if self._live.get(stream.id) is stream:
+                del self._live[stream.id]
+        by_reply: dict[Reply, list[bytes]] = {}
+        for stream, frame in out:
+            by_reply.setdefault(stream.reply, []).append(frame)
+        for reply, frames in by_reply.items():
+            try:
+                await reply(frames)
+            except Exception:  # noqa: BLE001 - one broken connection must not stop the others
+                logger.exception("sending generation frames failed")
+
+    def _fail_all(self, admit: list[Stream], exc: Exception) -> list[tuple[Stream, bytes]]:
+        message = f"generation failed: {exc}"
+        out = []
+        for stream in [*admit, *self._active]:
+            if stream.finish is None:
+                stream.finish = "cancelled"  # ended: a late cancel must not send a done frame
+                frame = InferError(id=stream.id, code="internal", message=message)
+                out.append((stream, encode_frame(frame)))
+        return out
+
+    # Worker side -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _step(
+        self, admit: list[Stream], cancel: set[Stream]
+    ) -> tuple[list[tuple[Stream, bytes]], list[Stream]]:
+        out: list[tuple[Stream, bytes]] = []
+        finished: list[Stream] = []
+        for stream in cancel:
+            if stream.finish is None:  # it may have finished on its own meanwhile
+                self._finish(stream, "cancelled", out)
+                finished.append(stream)
+        self._release_finished()
+        needed = len(self._active) + len(admit)  # the loop admitted at most max_streams
+        if needed > self.cache.rows:
+            self.cache.grow(max(needed, min(2 * self.cache.rows, self.limits.max_streams)))
+        for stream in admit:
+            if stream.finish is None:
+                self._prefill(stream)
+        if self._active:
+            self._decode(out)
+            finished.extend(s for s in self._active if s.finish is not None)
+            self._release_finished()
+        return out, finished
+
+    def _prefill(self, stream: Stream) -> None:
+        """Take the next free row and cache every prompt token but the last, which the next
+        decode step feeds like any other stream's pending token."""
+        stream.row = len(self._active)
+        self._active.append(stream)
+        prompt = stream.prompt
+        if len(prompt) > 1:
+            self.model(torch.tensor([prompt[:-1]]), torch.tensor([0]), self.cache, stream.row)
+        stream.pending, stream.pos = prompt[-1], len(prompt) - 1
+
+    def _decode(self, out: list[tuple[Stream, bytes]]) -> None:
+        batch = self._active
+        tokens = torch.tensor([[s.pending] for s in batch])
+        start = torch.tensor([s.pos for s in batch])
+        logits = self.model(tokens, start, self.cache)[:, -1].float().cpu()
+        self.stats.decode_steps_total += 1
+        self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(batch))
+        greedy = logits.argmax(dim=-1).tolist()
+        now = time.perf_counter()
+        for i, stream in enumerate(batch):
+            request = stream.request
+            if request.temperature == 0:
+                token = greedy[i]
+            else:
+                token = sample(logits[i], request.temperature, request.top_p, stream.generator)
+            self._append(stream, token, now, out)
+
+    def _append(
+        self, stream: Stream, token: int, now: float, out: list[tuple[Stream, bytes]]
+    ) -> None:
+        """Add one sampled token; send what text is safe to send; finish the stream if done."""
+        self.stats.tokens_generated_total += 1
+        stream.output_tokens += 1
+        stream.unsent_tokens += 1
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+        stream.last_token_at = now
+        stream.pending, stream.pos = token, stream.pos + 1
+        searched = len(stream.text)
+        stream.text += stream.detok.push(token)
+        stops = [s for s in stream.request.stop if s]
+        cut = find_stop(stream.text, stops, searched) if stops else None
+        if cut is not None:
+            stream.text = stream.text[:cut]  # the stop string is not part of the output
+            self._send_text(stream, len(stream.text), out)
+            self._finish(stream, "stop", out)
+        elif (
+            stream.output_tokens >= stream.request.max_new_tokens
+            or stream.pos >= self.model.config.context
+        ):
+            self._send_text(stream, len(stream.text), out)
+            self._finish(stream, "length", out)
+        else:
+            self._send_text(stream, len(stream.text) - held_back(stream.text, stops), out)
+
+    def _send_text(self, stream: Stream, upto: int, out: list[tuple[Stream, bytes]]) -> None:
+        if upto > stream.sent:
+            chunk = TokenChunk(
+                id=stream.id, text=stream.text[stream.sent : upto], tokens=stream.unsent_tokens
+            )
+            out.append((stream, encode_frame(chunk)))
+            stream.sent, stream.unsent_tokens = upto, 0
+
+    def _finish(
+        self, stream: Stream, reason: FinishReason, out: list[tuple[Stream, bytes]]
+    ) -> None:
+        stream.finish = reason
+        stream.detok.flush()
+        if reason == "cancelled":
+            self.stats.streams_cancelled_total += 1
+        first = stream.first_token_at
+        done = GenerateDone(
+            id=stream.id,
+            finish_reason=reason,
+            input_tokens=len(stream.request.prompt.encode("utf-8")),
+            output_tokens=stream.output_tokens,
+            ttft_ms=0.0 if first is None else (first - stream.received) * 1000,
+            decode_ms=0.0 if first is None else (stream.last_token_at - first) * 1000,
+        )
+        out.append((stream, encode_frame(done)))
+
+    def _release_finished(self) -> None:
+        """Free the rows of finished streams, moving the last active stream into each hole so
+        the batch stays rows 0..B-1 of the cache."""
+        for stream in [s for s in self._active if s.finish is not None]:
+            last = self._active[-1]
+            if last is not stream:
+                self.cache.move(last.row, stream.row, last.pos)
+                self._active[stream.row], last.row = last, stream.row
+            self._active.pop()
+            stream.row = -1
+
+
+# Loading ----------------------------------------------------------------------------------------
+
+
+def pick_device(device: str) -> str:
+    """CUDA when the spec allows it and torch sees a GPU, else the CPU."""
+    if device != "cpu" and torch.cuda.is_available():
+        return "cuda"
+    if device == "cuda":
+        logger.warning("device=cuda asked for, but torch sees no CUDA GPU: running on CPU")
+    return "cpu"
+
+
+def load_engine(path: Path, spec: VersionSpec, threads: int = 1) -> tuple[Engine, float]:
+    """Load a textgen artifact and warm it up with one tiny generation (blocking; call it in a
+    thread). Returns the engine and the warm-up's seconds."""
+    torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
+    device = pick_device(spec.device)
+    try:
+        model = from_safetensors(path, device)
+    except RuntimeError as exc:  # CUDA out of memory or unusable
+        if device == "cpu":
+            raise
+        logger.warning("loading on CUDA failed (%s): running on CPU", exc)
+        device, model = "cpu", from_safetensors(path, "cpu")
+    engine = Engine(model, spec.generation, provider=f"torch-{device}", threads=threads)
+    started = time.perf_counter()
+    generate(model, "The ", 4)  # allocates buffers and picks kernels before the first user
+    return engine, time.perf_counter() - started
