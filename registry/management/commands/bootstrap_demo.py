@@ -6,6 +6,7 @@ start script can print them and hand the node token to the local agent.
 """
 
 import json
+import os
 import secrets
 
 from django.conf import settings
@@ -16,7 +17,7 @@ from django.db import transaction
 from gateway.models import Node
 from gateway.nodes import create_node, rotate_node_token
 from registry.demo import FEATURE_NAMES, train_fraud_model
-from registry.models import Model, TaskKind
+from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
 from rollouts.audit import user_actor
 from tenants.keys import create_api_key, identify_key
@@ -34,6 +35,32 @@ class Command(BaseCommand):
         path.write_text(json.dumps(creds, indent=2))
         path.chmod(0o600)
         self.stdout.write(json.dumps(creds))
+
+    def _text_model(self, tenant: Tenant, admin) -> None:
+        """The demo generative model: a byte-level transformer trained on Moby-Dick."""
+        model, _ = Model.objects.get_or_create(
+            tenant=tenant,
+            name="storyteller",
+            defaults={"task": TaskKind.GENERATOR, "description": "Demo text generator"},
+        )
+        if model.versions.exists():
+            return
+        seconds = float(os.environ.get("SWITCHYARD_DEMO_TEXT_SECONDS", "90"))
+        self.stdout.write(f"training the demo text model for {seconds:g} s…")
+        from registry.textgen_train import train_text_model  # torch training: only here
+
+        data, details = train_text_model(seconds=seconds)
+        version = create_version(
+            model,
+            data,
+            format=ArtifactFormat.TEXTGEN,
+            source_commit="demo",
+            # The architecture's context is 256 bytes: prompt and continuation share it.
+            max_input_tokens=128,
+            max_output_tokens=128,
+            **details,
+        )
+        set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
 
     def _bootstrap(self, saved: dict) -> dict:
         User = get_user_model()
@@ -85,6 +112,7 @@ class Command(BaseCommand):
                 **details,
             )
             set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
+        self._text_model(tenant, admin)
         return {
             "admin_user": "admin",
             "admin_password": password if admin.check_password(password) else "(unchanged)",
