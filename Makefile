@@ -3,7 +3,7 @@ PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 PORT ?= 8000
 
-.PHONY: install up test test-embedded test-services lint bench ci migrations-check
+.PHONY: install up test test-embedded test-services lint bench bench-stream ci migrations-check
 
 $(PY):
 	python3 -m venv .venv
@@ -32,5 +32,8 @@ migrations-check: install
 
 bench: install
 	bash bench/run.sh
+
+bench-stream: install
+	.venv/bin/python bench/stream_bench.py
 
 ci: lint migrations-check test

@@ -2,11 +2,12 @@
 concurrent streams through the platform, next to the same engine generating in process.
 
 Platform: uvicorn and a serving agent pinned to CPU 0, PostgreSQL + a Redis of its own, the demo
-text model's architecture (4 layers, 128 wide, byte-level; untrained weights decode at the same
-speed). Clients are websocket streams from this process, pinned to CPU 1. In process: the
-agent's own ``Engine`` on the same model, pinned to CPU 0 with one torch thread like the agent,
-fed the same requests. Every stream asks for ``--tokens`` greedy tokens with no stop sequence,
-so all streams do the same work. Run: ``.venv/bin/python bench/stream_bench.py``.
+text model's architecture (``registry/textgen_train.py``; briefly trained weights decode at the
+same speed as fully trained ones). Clients are websocket streams from this process, pinned to
+CPU 1. In process: the agent's own ``Engine`` on the same model, pinned to CPU 0 with one torch
+thread like the agent, fed the same requests. Every stream asks for ``--tokens`` greedy tokens
+with no stop sequence, so all streams do the same work. Run:
+``.venv/bin/python bench/stream_bench.py`` (``make bench-stream``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def main() -> None:
         )
         backend.shell(
             "from registry.models import ModelVersion; ModelVersion.objects.filter("
-            f"model__name='storyteller').update(max_streams={max(levels)})"
+            f"model__name='storyteller').update(max_streams={max(levels)}); "
+            "from tenants.models import Quota; Quota.objects.update("
+            f"max_concurrent_streams={max(levels)}, tokens_per_minute=10**9)"
         )
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -190,17 +193,21 @@ def main() -> None:
             proc.stop()
         backend.close()
         redis.terminate()
-    table = render(through, local, args)
+    from serving_agent.textgen import read_config
+
+    config = read_config(artifact.read_bytes())
+    shape = f"{config.n_layer} layers, {config.n_head} heads, {config.n_embd} wide"
+    table = render(through, local, args, shape)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
 
 
-def render(through: dict, local: dict, args) -> str:
+def render(through: dict, local: dict, args, shape: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"Run {now} on {platform.node()} ({os.cpu_count()} CPUs): demo text model architecture "
-        f"(4 layers, 128 wide, byte-level), {args.tokens} greedy tokens per stream, median of "
+        f"Run {now} on {platform.node()} ({os.cpu_count()} CPUs): the demo text model "
+        f"({shape}, byte-level), {args.tokens} greedy tokens per stream, median of "
         f"{args.rounds} rounds; uvicorn + agent on CPU 0, clients on CPU 1.",
         "",
         "| streams | TTFT p50 ms (platform) | TTFT p50 ms (in process) | overhead ms | "
