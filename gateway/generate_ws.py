@@ -151,6 +151,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
                 await self.send_json(
                     {"type": "token", "id": stream_id, "text": chunk.text, "tokens": chunk.tokens}
                 )
+            await generation.close()  # budgets settled before the client hears it is done
             route = generation.routed.route
             await self.send_json(
                 {

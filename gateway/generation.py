@@ -2,8 +2,8 @@
 version's token limits, the rollout plan), hand it to an agent, and relay its frames.
 
 Both front doors use this: the Channels websocket (``gateway/generate_ws.py``) and the
-OpenAI-compatible HTTP API (``gateway/openai_api.py``). Budgets are kept per gateway process,
-like the embedded rate limiter: with several processes each enforces the tenant's numbers.
+OpenAI-compatible HTTP API (``gateway/openai_api.py``). The tenant's budgets are shared by all
+gateway processes through Redis (in process on the embedded default): ``stream_budget.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tenants.ratelimit import retry_after_header
 from .dispatch import DispatchError, SlowClient, Stream
 from .pipeline import ApiError, Routed, resolve, route_request
 from .state import GatewayState
-from .stream_budget import BudgetExceeded
+from .stream_budget import RENEW_S, BudgetExceeded
 
 StopString = Annotated[str, Field(min_length=1, max_length=64)]
 
@@ -81,12 +81,15 @@ class Generation:
         stream: Stream,
         started: float,
         prompt_tokens: int,
+        slot: str,
     ) -> None:
         self.state = state
         self.identity = identity
         self.routed = routed
         self.stream = stream
         self.started = started
+        self.slot = slot  # the tenant's stream slot, renewed while the stream runs
+        self._renewed = time.monotonic()
         self.usage = Usage(input_tokens=prompt_tokens)
         self.finish_reason: str | None = None
         self._closed = False
@@ -113,7 +116,9 @@ class Generation:
             if self.usage.ttft_ms is None:
                 self.usage.ttft_ms = elapsed_ms
             self.usage.output_tokens += frame.tokens
-            self.state.streams.charge(self.identity, frame.tokens)
+            if time.monotonic() - self._renewed > RENEW_S:
+                self._renewed = time.monotonic()
+                await self.state.streams.renew(self.identity, self.slot)
             yield frame
 
     async def close(self) -> None:
@@ -123,7 +128,7 @@ class Generation:
         if self.finish_reason is None:
             await self.stream.cancel()
         self.state.pool.close_stream(self.stream)
-        self.state.streams.release(self.identity)
+        await self.state.streams.finish(self.identity, self.slot, self.usage.output_tokens)
 
     def _record(self, ok: bool) -> None:
         # Guardrails compare arms on time to first token: what a streaming client waits for.
@@ -168,7 +173,7 @@ async def start_generation(
             f"generates at most {route.max_output_tokens}",
         )
     try:
-        state.streams.admit(identity, prompt_tokens)
+        slot = await state.streams.admit(identity, prompt_tokens)
     except BudgetExceeded as exc:
         raise ApiError(429, str(exc), [("Retry-After", retry_after_header(exc.wait_s))]) from None
     request = GenerateRequest(
@@ -184,6 +189,6 @@ async def start_generation(
     try:
         stream = await state.pool.open_stream(request)
     except DispatchError as exc:
-        state.streams.release(identity)
+        await state.streams.finish(identity, slot, 0)
         raise ApiError(exc.status, exc.message, _retry(exc)) from None
-    return Generation(state, identity, routed, stream, started, prompt_tokens)
+    return Generation(state, identity, routed, stream, started, prompt_tokens, slot)

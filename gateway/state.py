@@ -28,7 +28,7 @@ from . import nodes
 from .changes import read_generation
 from .dispatch import AgentPool
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
-from .stream_budget import TenantStreams
+from .stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 from .traffic import TrafficCounter, save_samples
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,10 @@ class GatewayState:
         self._splits: dict[tuple[int, str], Split | None] = {}
         self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
-        self.streams = TenantStreams()  # text generation: streams and tokens per tenant
+        # Text generation: each tenant's concurrent streams and tokens per minute.
+        self.streams: StreamBudget = (
+            RedisStreamBudget(settings.REDIS_URL) if settings.REDIS_URL else LocalStreamBudget()
+        )
         # Shadow comparisons per plan: [copies answered, agreeing with the baseline, failed].
         self.shadow_stats: dict[int, list[int]] = {}
         self._generation: int | None = None

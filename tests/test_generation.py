@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -96,7 +98,14 @@ def writer(world):
 
 @pytest.fixture
 def state(monkeypatch):
-    """A gateway state of the test's own (no refresh loop), used by both front doors."""
+    """A gateway state of the test's own (no refresh loop), used by both front doors; on
+    Redis, the tenants' generation budgets start empty."""
+    if os.environ.get("REDIS_URL"):
+        import redis
+
+        client = redis.Redis.from_url(os.environ["REDIS_URL"])
+        for key in client.scan_iter("sy:gen:*"):
+            client.delete(key)
     holder: dict[str, GatewayState] = {}
 
     def get_state() -> GatewayState:
@@ -430,3 +439,60 @@ def test_openai_errors_in_openais_shape(writer, state, key_name, body, status, e
     response, answer = run(openai_post(key, "/v1/completions", body))
     assert response.status_code == status
     assert answer["error"]["type"] == error_type and words in answer["error"]["message"]
+
+
+# Budgets, in process and in Redis -------------------------------------------------------------
+
+
+def budgets() -> list:
+    from gateway.stream_budget import LocalStreamBudget, RedisStreamBudget
+
+    made = [LocalStreamBudget]
+    if os.environ.get("REDIS_URL"):
+        prefix = f"sy:test:{os.getpid()}:{time.monotonic_ns()}:"
+        made.append(lambda: RedisStreamBudget(os.environ["REDIS_URL"], prefix, ttl_s=1))
+    return made
+
+
+@pytest.mark.parametrize("make_budget", budgets(), ids=["local", "redis"][: len(budgets())])
+def test_stream_and_token_budgets(make_budget):
+    from gateway.stream_budget import BudgetExceeded
+    from tenants.keys import KeyIdentity
+
+    acme = KeyIdentity(1, 1, "acme", 100.0, 200, max_streams=2, tokens_per_minute=60)
+
+    async def scenario():
+        budget = make_budget()
+        first = await budget.admit(acme, 10)
+        second = await budget.admit(acme, 10)
+        with pytest.raises(BudgetExceeded, match="at most 2"):
+            await budget.admit(acme, 10)
+        await budget.finish(acme, first, 45)  # 65 of 60 spent: the bucket is in debt
+        with pytest.raises(BudgetExceeded, match="60 tokens per minute") as refused:
+            await budget.admit(acme, 1)
+        assert 5 <= refused.value.wait_s <= 7  # 6 tokens of debt at one token a second
+        await budget.finish(acme, second, 0)
+        return budget
+
+    run(scenario)
+
+
+def test_a_dead_processs_stream_slot_frees_itself_in_redis():
+    if not os.environ.get("REDIS_URL"):
+        pytest.skip("needs REDIS_URL")
+    from gateway.stream_budget import BudgetExceeded, RedisStreamBudget
+    from tenants.keys import KeyIdentity
+
+    acme = KeyIdentity(1, 1, "acme", 100.0, 200, max_streams=1, tokens_per_minute=10_000)
+    prefix = f"sy:test:{os.getpid()}:{time.monotonic_ns()}:"
+
+    async def scenario():
+        dead = RedisStreamBudget(os.environ["REDIS_URL"], prefix, ttl_s=1)
+        await dead.admit(acme, 1)  # its process "dies": never finishes, never renews
+        alive = RedisStreamBudget(os.environ["REDIS_URL"], prefix, ttl_s=1)
+        with pytest.raises(BudgetExceeded):
+            await alive.admit(acme, 1)
+        await asyncio.sleep(1.2)
+        assert await alive.admit(acme, 1)
+
+    run(scenario)
