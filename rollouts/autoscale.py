@@ -5,7 +5,8 @@ Pure functions over recorded signals, so the control loop, its tests and the sim
 the work waiting and running on the replicas (queue depth plus in-flight requests) and the p99
 against the version's SLO; CPU alone lags them.
 
-- Scale up fast: at once to what the latest signal asks for (within ``max_replicas``).
+- Scale up fast: at once to what the latest signal asks for, at most doubling (or +4) per
+  decision, within ``max_replicas``.
 - Scale down slowly: to the highest recommendation over the last ``scale_down_window_s``, so a
   dip between bursts does not remove capacity the next burst needs (as Kubernetes' HPA does).
 - Scale to zero after ``idle_to_zero_s`` without requests (when ``min_replicas`` is 0); the
@@ -62,13 +63,13 @@ def recommend(policy: ScalingPolicy, signal: Signal) -> tuple[int, str]:
     by_load = math.ceil(load / policy.target_load_per_replica)
     reason = f"load {load:g} at {policy.target_load_per_replica:g} per replica → {by_load}"
     if policy.slo_p99_ms and signal.replicas and signal.p99_ms > policy.slo_p99_ms:
-        # Proportional to how far past the SLO the tail is, like the HPA's ratio rule.
-        by_latency = math.ceil(signal.replicas * signal.p99_ms / policy.slo_p99_ms)
-        if by_latency > by_load:
-            by_load = by_latency
-            reason = (
-                f"p99 {signal.p99_ms:g} ms over the {policy.slo_p99_ms:g} ms SLO → {by_latency}"
-            )
+        # The tail is past the SLO although the load looks served: one more replica per
+        # decision. Not in proportion to the p99: a backlog inflates it long after the load
+        # rule has already added the replicas that drain it.
+        if by_load <= signal.replicas:
+            by_load = signal.replicas + 1
+            slo = policy.slo_p99_ms
+            reason = f"p99 {signal.p99_ms:g} ms over the {slo:g} ms SLO → {by_load}"
     if by_load == 0 and (signal.requests or signal.pending):
         by_load, reason = 1, "traffic with no load left over → 1"
     return by_load, reason
@@ -85,9 +86,12 @@ def decide(policy: ScalingPolicy, history: Sequence[Signal], idle_since: float |
     inputs = asdict(latest) | {"recommended": wanted}
     current = latest.replicas
     if wanted > current:
-        desired = min(wanted, policy.max_replicas)
+        # At most double (or +4) per decision, as the HPA does: the signals of a replica that
+        # is still starting lag, and a noisy p99 must not send the fleet to its maximum.
+        step_limit = max(current * 2, current + 4)
+        desired = min(wanted, policy.max_replicas, step_limit)
         if desired < wanted:
-            reason += f", capped at max {policy.max_replicas}"
+            reason += f", capped at {desired}"
         return Decision(max(desired, policy.min_replicas), f"up: {reason}", inputs)
     # Down (or hold): the highest recommendation over the stabilisation window.
     window = [s for s in history if now - s.at <= policy.scale_down_window_s]

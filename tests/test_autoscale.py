@@ -47,9 +47,10 @@ def test_rises_under_load_at_once():
     assert steps == [1, 4]  # 28 waiting or running at 8 per replica
 
 
-def test_a_slow_tail_adds_replicas_in_proportion():
-    # Little queued, but p99 at twice the SLO on 2 replicas: 4.
-    assert replay([{"in_flight": 8, "p99": 200}], start=2) == [4]
+def test_a_slow_tail_adds_a_replica_per_decision():
+    # Little queued, but p99 over the SLO on 2 replicas: one more each time until it is not.
+    slow = [{"in_flight": 8, "p99": 200}] * 2
+    assert replay(slow + [{"in_flight": 8, "p99": 60}], start=2) == [3, 4, 4]
 
 
 def test_never_exceeds_max():
@@ -90,7 +91,7 @@ def test_every_decision_says_why_and_keeps_its_inputs():
     history = [Signal(0, 2, 50, 10, 50, 100)]
     decision = decide(POLICY, history, idle_since=0)
     assert decision.desired == 5 and decision.reason.startswith("up: load 60")
-    assert "capped at max 5" in decision.reason
+    assert "capped at 5" in decision.reason
     assert decision.inputs["queue_depth"] == 50 and decision.inputs["recommended"] == 8
 
 
