@@ -2,7 +2,15 @@
 
 from django.contrib import admin
 
-from .models import ApprovalRequest, AuditEvent, PlanArm, RolloutPlan
+from .models import (
+    ApprovalRequest,
+    AuditEvent,
+    Deployment,
+    PlanArm,
+    Pool,
+    RolloutPlan,
+    ScalingDecision,
+)
 
 
 class PlanArmInline(admin.TabularInline):
@@ -57,4 +65,42 @@ class AuditEventAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Pool)
+class PoolAdmin(admin.ModelAdmin):
+    list_display = ["name", "backend", "namespace", "description"]
+
+
+class DecisionInline(admin.TabularInline):
+    model = ScalingDecision
+    extra = 0
+    can_delete = False
+    max_num = 0
+    fields = ["created_at", "current", "desired", "accepted", "dry_run", "reason", "error"]
+    readonly_fields = fields
+    ordering = ["-created_at"]
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    """``desired_replicas`` is read-only: only the autoscaler moves it, after the cluster
+    accepted the scale."""
+
+    list_display = ["__str__", "tenant", "min_replicas", "max_replicas", "desired_replicas"]
+    list_filter = ["pool", "tenant", "isolation"]
+    readonly_fields = ["desired_replicas", "updated_at"]
+    inlines = [DecisionInline]
+
+
+@admin.register(ScalingDecision)
+class ScalingDecisionAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "deployment", "current", "desired", "accepted", "reason"]
+    list_filter = ["dry_run", "deployment__pool"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
         return False

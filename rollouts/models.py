@@ -250,3 +250,97 @@ class ShadowSample(models.Model):
 
     def __str__(self) -> str:
         return f"plan {self.plan_id}: {self.agreed}/{self.answered} agreed"
+
+
+class ClusterKind(models.TextChoices):
+    LOCAL = "local", "Local agent processes"
+    KUBERNETES = "kubernetes", "Kubernetes"
+
+
+class Pool(models.Model):
+    """Where agent replicas run: a kind of node (``gpu-a100``, ``gpu-mig-1g``, ``cpu``) and the
+    backend that starts them there."""
+
+    name = models.SlugField(max_length=63, unique=True)
+    backend = models.CharField(max_length=12, choices=ClusterKind.choices)
+    namespace = models.CharField(max_length=63, default="switchyard")
+    image = models.CharField(max_length=200, blank=True)
+    node_selector = models.JSONField(default=dict, blank=True)
+    tolerations = models.JSONField(default=list, blank=True)
+    description = models.CharField(max_length=200, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.backend})"
+
+
+class Isolation(models.TextChoices):
+    SHARED = "shared", "Shared pool, within the tenant's quota"
+    DEDICATED = "dedicated", "Dedicated nodes"
+
+
+class Deployment(models.Model):
+    """A model version running on a pool, between ``min_replicas`` and ``max_replicas``.
+
+    ``desired_replicas`` is only ever what the cluster backend accepted, so the database never
+    claims a scale the cluster refused.
+    """
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.PROTECT, related_name="deployments"
+    )
+    pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="deployments")
+    min_replicas = models.PositiveIntegerField(default=0)
+    max_replicas = models.PositiveIntegerField(default=4, validators=[MinValueValidator(1)])
+    target_load_per_replica = models.FloatField(default=8.0, validators=[MinValueValidator(0.01)])
+    slo_p99_ms = models.FloatField(null=True, blank=True, validators=[MinValueValidator(1)])
+    scale_down_window_s = models.PositiveIntegerField(default=120)
+    idle_to_zero_s = models.PositiveIntegerField(default=300)
+    cpu = models.CharField(max_length=20, default="1")
+    memory = models.CharField(max_length=20, default="2Gi")
+    gpus = models.PositiveIntegerField(default=0)
+    mig_profile = models.CharField(max_length=20, blank=True)
+    isolation = models.CharField(max_length=10, choices=Isolation.choices, default=Isolation.SHARED)
+    desired_replicas = models.PositiveIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["version", "pool"],
+                name="one_deployment_per_version_and_pool",
+                violation_error_message="This version already has a deployment on this pool.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.version} on {self.pool.name}"
+
+    def clean(self) -> None:
+        if self.min_replicas > self.max_replicas:
+            raise ValidationError({"min_replicas": "must not exceed max_replicas"})
+
+    @property
+    def cluster_name(self) -> str:
+        """The agent Deployment's name in the cluster (a DNS-1123 label)."""
+        return f"sy-agent-{self.pk}-v{self.version.version}"
+
+
+class ScalingDecision(models.Model):
+    """One decision of the autoscaler: what it saw, what it wanted, what the cluster accepted."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="decisions")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    current = models.PositiveIntegerField()
+    desired = models.PositiveIntegerField()
+    accepted = models.PositiveIntegerField(null=True, blank=True)  # None: refused or dry run
+    dry_run = models.BooleanField(default=False)
+    reason = models.CharField(max_length=300)
+    inputs = models.JSONField(default=dict)
+    error = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment}: {self.current} → {self.desired} ({self.reason})"
