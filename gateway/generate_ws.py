@@ -134,10 +134,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         if stream_id in self.running:
             await self.error(stream_id, 400, f"id: generation {stream_id!r} is still running")
             return
-        params = GenerateParams.model_validate(
-            request.model_dump(exclude={"type", "id", "routing_key"})
-        )
-        task = asyncio.create_task(self._run(stream_id, params, request.routing_key))
+        # The message is a GenerateParams with its envelope fields: already validated.
+        task = asyncio.create_task(self._run(stream_id, request, request.routing_key))
         self.running[stream_id] = task
         task.add_done_callback(lambda _t: self.running.pop(stream_id, None))
 

@@ -10,8 +10,8 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from tenants.keys import DEFAULT_QUOTA, KeyIdentity
-from tenants.models import Membership, Quota, Role, Tenant
+from tenants.keys import KeyIdentity, tenant_identity
+from tenants.models import Membership, Role, Tenant
 
 SESSION_KEY = "ui_tenant_id"
 WRITE_ROLES = {Role.ENGINEER, Role.APPROVER}
@@ -65,14 +65,4 @@ def session_identity(user, session) -> KeyIdentity | None:
     membership = current_membership(user, session)
     if membership is None:
         return None
-    tenant = membership.tenant
-    quota = Quota.objects.filter(tenant=tenant).first() or DEFAULT_QUOTA
-    return KeyIdentity(
-        key_id=0,
-        tenant_id=tenant.pk,
-        tenant_slug=tenant.slug,
-        rate=quota.requests_per_second,
-        burst=quota.burst,
-        max_streams=quota.max_concurrent_streams,
-        tokens_per_minute=quota.tokens_per_minute,
-    )
+    return tenant_identity(membership.tenant)

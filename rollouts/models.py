@@ -223,10 +223,6 @@ class ApprovalRequest(models.Model):
         )
         return f"#{self.pk} {self.kind} {self.model}@{self.alias} → {change} ({self.state})"
 
-    @property
-    def is_open(self) -> bool:
-        return self.state in OPEN_REQUEST_STATES
-
     def snapshot(self) -> dict:
         """The request as an audit event's before/after records it."""
         return {

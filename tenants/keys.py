@@ -74,11 +74,16 @@ def identify_key(raw: str) -> KeyIdentity | None:
     )
     if row is None or not token_matches(raw, row.key_hash):
         return None
-    quota = getattr(row.tenant, "quota", None) or DEFAULT_QUOTA
+    return tenant_identity(row.tenant, key_id=row.pk)
+
+
+def tenant_identity(tenant: Tenant, key_id: int = 0) -> KeyIdentity:
+    """What the data path knows of a tenant: its id, slug and quota (the default if unset)."""
+    quota = getattr(tenant, "quota", None) or DEFAULT_QUOTA
     return KeyIdentity(
-        key_id=row.pk,
-        tenant_id=row.tenant_id,
-        tenant_slug=row.tenant.slug,
+        key_id=key_id,
+        tenant_id=tenant.pk,
+        tenant_slug=tenant.slug,
         rate=quota.requests_per_second,
         burst=quota.burst,
         max_streams=quota.max_concurrent_streams,
