@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from pydantic import ValidationError
@@ -43,6 +43,7 @@ from .protocol import (
     InferRequest,
     InferResult,
     VersionSpec,
+    VersionState,
     VersionStatus,
     decode_frame,
     encode_frame,
@@ -60,7 +61,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CLOSE_BAD_TOKEN = 4401
 LATENCY_WINDOW = 1024
 
-VersionState = Literal["loading", "ready", "failed", "unloaded"]
 
 # Fields that change what is loaded; a change in any other field (batching or generation
 # limits) is applied to the running version without reloading it.

@@ -83,6 +83,9 @@ class VersionSpec(BaseModel):
     max_queue: int = 256
     device: Literal["auto", "cpu", "cuda"] = "auto"
     generation: GenerationLimits | None = None  # set for textgen versions
+    # The platform's estimate of the memory one loaded copy needs (0: unknown, the agent
+    # estimates from the artifact's size). Agents measure the real footprint when they load.
+    memory_bytes: int = 0
 
 
 # Platform -> agent ----------------------------------------------------------------------------
@@ -114,16 +117,46 @@ class Hello(BaseModel):
     memory_bytes: int
     gpus: list[Gpu] = Field(default_factory=list)
     providers: list[str] = Field(default_factory=list)
+    # The cluster Deployment this replica was started for (None: a node run by hand).
+    deployment: str | None = None
+    # Memory this agent may fill with loaded versions (accelerator memory on a GPU node).
+    memory_budget_bytes: int = 0
+
+
+VersionState = Literal["loading", "ready", "failed", "unloaded", "evicted"]
 
 
 class VersionStatus(BaseModel):
-    """A version's load state on this agent; the gateway routes only to ``ready`` ones."""
+    """A version's load state on this agent; the gateway routes only to ``ready`` ones.
+
+    ``evicted``: unloaded by the agent itself to make room for another assigned version (it was
+    the least recently used cold one); it stays unloaded until the platform assigns it again.
+    """
 
     type: Literal["status"] = "status"
     version_id: int
-    state: Literal["loading", "ready", "failed", "unloaded"]
+    state: VersionState
     detail: str = ""
     provider: str = ""
+    memory_bytes: int = 0  # with ``ready``: the footprint measured while loading
+
+
+class VersionLoad(BaseModel):
+    """One loaded version in a heartbeat: what it holds and how busy it is."""
+
+    version_id: int
+    memory_bytes: int = 0  # footprint measured while loading
+    queue_depth: int = 0
+    in_flight: int = 0
+    requests_total: int = 0
+    idle_s: float | None = None  # since its last request (None: never used)
+
+
+class GpuUse(BaseModel):
+    index: int
+    utilization_pct: float = 0.0
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
 
 
 class Heartbeat(BaseModel):
@@ -141,6 +174,13 @@ class Heartbeat(BaseModel):
     max_decode_batch: int = 0
     streams_cancelled_total: int = 0
     tokens_generated_total: int = 0
+    # Placement and the fleet pages: the memory budget, what loaded versions use, each loaded
+    # version's load, versions evicted to make room, and GPU use when the node has GPUs.
+    memory_budget_bytes: int = 0
+    memory_used_bytes: int = 0
+    versions: list[VersionLoad] = Field(default_factory=list)
+    evicted: list[int] = Field(default_factory=list)
+    gpus: list[GpuUse] = Field(default_factory=list)
 
 
 AgentMessage = Annotated[Hello | VersionStatus | Heartbeat, Field(discriminator="type")]
