@@ -111,8 +111,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             status.state,
             status.detail or status.provider,
         )
-        await database_sync_to_async(nodes.record_ready_versions)(
-            self.session_id, sorted(self.link.ready)
+        await database_sync_to_async(nodes.record_version_state)(
+            self.session_id, status, sorted(self.link.ready)
         )
 
     async def push_assignment(self, force: bool = False) -> None:
@@ -121,7 +121,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if node is None or not node.enabled:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        specs = await database_sync_to_async(nodes.assignment_for)(node)
+        specs = await database_sync_to_async(nodes.assignment_for)(node, self.session_id)
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
             heartbeat = settings.SWITCHYARD["AGENT_HEARTBEAT_S"]

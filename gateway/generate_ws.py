@@ -142,8 +142,12 @@ class GenerateConsumer(AsyncWebsocketConsumer):
     async def _run(self, stream_id: str, params: GenerateParams, routing_key: str | None):
         generation = None
         try:
+
+            async def loading(progress: dict) -> None:
+                await self.send_json({"type": "loading", "id": stream_id, **progress})
+
             generation = await start_generation(
-                self.state, self.identity, self.model_name, params, routing_key, stream_id
+                self.state, self.identity, self.model_name, params, routing_key, stream_id, loading
             )
             async for chunk in generation.chunks():
                 await self.send_json(

@@ -21,7 +21,7 @@ from tenants.ratelimit import retry_after_header
 
 from .dispatch import DispatchError, SlowClient, Stream
 from .pipeline import ApiError, Routed, resolve, route_request
-from .state import GatewayState
+from .state import GatewayState, Progress
 from .stream_budget import RENEW_S, BudgetExceeded
 
 StopString = Annotated[str, Field(min_length=1, max_length=64)]
@@ -147,6 +147,7 @@ async def start_generation(
     params: GenerateParams,
     routing_key: str | None = None,
     request_id: str | None = None,
+    on_loading: Progress | None = None,
 ) -> Generation:
     """Resolve the model (through its rollout plan), check every limit, start the stream."""
     started = time.perf_counter()
@@ -172,6 +173,12 @@ async def start_generation(
             f"max_tokens: {params.max_tokens}; version {route.version} of {model_name!r} "
             f"generates at most {route.max_output_tokens}",
         )
+    try:
+        # A cold start holds here, before the tenant's stream budget is taken, and tells a
+        # streaming client how loading goes.
+        await state.ready(route.version_id, on_loading)
+    except DispatchError as exc:
+        raise ApiError(exc.status, exc.message, _retry(exc)) from None
     try:
         slot = await state.streams.admit(identity, prompt_tokens)
     except BudgetExceeded as exc:

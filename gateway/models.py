@@ -37,7 +37,20 @@ class AgentSession(models.Model):
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="sessions")
     channel_name = models.CharField(max_length=200, unique=True)
     ready_versions = models.JSONField(default=list, blank=True)
+    # Every version's last reported state: {version id: {"state", "detail", "memory_bytes"}}.
+    version_states = models.JSONField(default=dict, blank=True)
     stats = models.JSONField(default=dict, blank=True)
+    # The autoscaled deployment this replica says it was started for (empty: a node run by
+    # hand, which serves what placement puts on it), and that deployment if it exists.
+    deployment_name = models.CharField(max_length=63, blank=True)
+    deployment = models.ForeignKey(
+        "rollouts.Deployment",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="sessions",
+    )
+    memory_budget_bytes = models.BigIntegerField(default=0)
     connected_at = models.DateTimeField(auto_now_add=True)
     last_heartbeat_at = models.DateTimeField(auto_now_add=True)
     disconnected_at = models.DateTimeField(null=True, blank=True)

@@ -125,6 +125,7 @@ async def run_inference(
     """
     started = time.perf_counter()
     try:
+        await state.ready(route.version_id)  # holds a cold start; at once when warm
         reply, result = await state.pool.infer(
             route.version_id, names, arrays, outputs, state.infer_timeout
         )

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from channels.db import database_sync_to_async
@@ -19,6 +20,7 @@ from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
+from rollouts import fleet
 from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
 from tenants.keys import KeyIdentity, identify_key, record_key_use
@@ -26,7 +28,7 @@ from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 
 from . import nodes
 from .changes import read_generation
-from .dispatch import AgentPool
+from .dispatch import AgentPool, DispatchError
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
 from .stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 from .traffic import TrafficCounter, save_samples
@@ -35,6 +37,11 @@ log = logging.getLogger(__name__)
 
 MAX_CACHED = 10_000  # bound for caches keyed by caller input (unknown keys, model names)
 FLUSH_S = 5.0  # key last-used times and traffic samples are written this often
+WAKE_EVERY_S = 5.0  # a held cold start re-marks its deployment this often (the autoscaler's
+# pending signal), and a version is woken at most this often however many requests wait
+COLD_RETRY_AFTER_S = 5  # Retry-After of a cold start that outlasted the hold
+
+Progress = Callable[[dict], Awaitable[None]]
 
 
 class GatewayState:
@@ -66,6 +73,8 @@ class GatewayState:
         self._task: asyncio.Task | None = None
         self._reply_task: asyncio.Task | None = None
         self.agent_consumers: set = set()  # AgentConsumer instances held by this process
+        self.cold_start_hold_s = cfg["COLD_START_HOLD_S"]
+        self._woken: dict[int, float] = {}  # version id -> when this process last woke it
 
     # Cached lookups ----------------------------------------------------------------------------
     async def identify(self, raw_key: str) -> KeyIdentity | None:
@@ -109,6 +118,49 @@ class GatewayState:
             found = await database_sync_to_async(resolve_version_id)(tenant_id, version_id)
             self._remember(self._by_id, (tenant_id, version_id), found)
             return found
+
+    async def ready(self, version_id: int, progress: Progress | None = None) -> None:
+        """Return once a replica of the version is ready to serve it (at once when warm).
+
+        A cold start (a deployed version with no ready replica, e.g. scaled to zero) wakes
+        the deployment and holds the request up to ``COLD_START_HOLD_S``, reporting
+        ``progress`` about once a second; past the hold it raises 503 with Retry-After. A
+        version with no deployment returns at once: dispatch answers for it as before.
+        """
+        if self.pool.is_ready(version_id):
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if not await self._wake(version_id):
+            return
+        next_report = started
+        while not self.pool.is_ready(version_id):
+            now = loop.time()
+            if now - started >= self.cold_start_hold_s:
+                raise DispatchError(
+                    503,
+                    f"the model version is starting (cold start) and was not ready within "
+                    f"{self.cold_start_hold_s:g} s; retry shortly",
+                    COLD_RETRY_AFTER_S,
+                )
+            if progress is not None and now >= next_report:
+                report = await database_sync_to_async(fleet.cold_start_progress)(version_id)
+                await progress(report | {"elapsed_s": round(now - started, 1)})
+                next_report = now + 1.0
+            await self._wake(version_id)
+            await asyncio.sleep(0.05)
+
+    async def _wake(self, version_id: int) -> bool:
+        """Mark the version's deployment woken (at most every WAKE_EVERY_S); False when it
+        has none."""
+        now = time.monotonic()
+        last = self._woken.get(version_id)
+        if last is not None and now - last < WAKE_EVERY_S:
+            return True
+        managed = await database_sync_to_async(fleet.wake)(version_id)
+        if managed:
+            self._remember(self._woken, version_id, now)
+        return managed
 
     @staticmethod
     def _remember(cache: dict, key: object, value: object) -> None:

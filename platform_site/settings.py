@@ -144,6 +144,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "rollouts.tasks.evaluate_rollouts",
         "schedule": float(env("SWITCHYARD_GUARDRAIL_INTERVAL_S", "5")),
     },
+    "autoscale": {
+        "task": "rollouts.tasks.autoscale",
+        "schedule": float(env("SWITCHYARD_AUTOSCALE_INTERVAL_S", "5")),
+    },
 }
 
 # Auth and i18n -----------------------------------------------------------------------------
@@ -203,7 +207,20 @@ SWITCHYARD = {
     # Agents silent for longer are treated as gone.
     "AGENT_STALE_S": float(env("SWITCHYARD_AGENT_STALE_S", "30")),
     "AGENT_HEARTBEAT_S": float(env("SWITCHYARD_AGENT_HEARTBEAT_S", "5")),
+    # A request for an autoscaled version with no ready replica wakes its deployment and waits
+    # this long for a replica to start and load; past it the client gets 503 + Retry-After.
+    "COLD_START_HOLD_S": float(env("SWITCHYARD_COLD_START_HOLD_S", "30")),
 }
+
+# Fleet -------------------------------------------------------------------------------------
+# The URL agents started by the local cluster backend connect to (this platform).
+PLATFORM_URL = env("SWITCHYARD_PLATFORM_URL", f"http://127.0.0.1:{env('SWITCHYARD_PORT', '8000')}")
+# The image of agents the Kubernetes backend starts, unless their pool names one.
+AGENT_IMAGE = env("SWITCHYARD_AGENT_IMAGE", "ghcr.io/switchyard/switchyard:0.1.0")
+# Where the local backend keeps its replicas' pid files, logs and the pool node tokens.
+LOCAL_AGENTS_DIR = Path(env("SWITCHYARD_LOCAL_AGENTS_DIR", str(VAR_DIR / "agents")))
+# Scaling decisions are kept this long (the UI charts them; the stabilisation window reads them).
+SCALING_HISTORY_HOURS = float(env("SWITCHYARD_SCALING_HISTORY_HOURS", "24"))
 
 LOGGING = {
     "version": 1,

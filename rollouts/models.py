@@ -298,6 +298,13 @@ class Deployment(models.Model):
     mig_profile = models.CharField(max_length=20, blank=True)
     isolation = models.CharField(max_length=10, choices=Isolation.choices, default=Isolation.SHARED)
     desired_replicas = models.PositiveIntegerField(default=0)
+    # The gateway's last request for this version while no replica was ready (a cold start).
+    woken_at = models.DateTimeField(null=True, blank=True)
+    # When its replicas last served (or the gateway held) a request: scale to zero counts
+    # idleness from here.
+    last_active_at = models.DateTimeField(default=timezone.now)
+    # Hash of the agent template last applied to the cluster; a change re-applies it.
+    applied_template = models.CharField(max_length=64, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -326,7 +333,7 @@ class ScalingDecision(models.Model):
     """One decision of the autoscaler: what it saw, what it wanted, what the cluster accepted."""
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="decisions")
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)  # the decision's time
     current = models.PositiveIntegerField()
     desired = models.PositiveIntegerField()
     accepted = models.PositiveIntegerField(null=True, blank=True)  # None: refused or dry run

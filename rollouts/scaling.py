@@ -7,7 +7,10 @@ run) is stored as a ``ScalingDecision`` with its inputs and reason.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.db import transaction
+from django.utils import timezone
 
 from .autoscale import Decision, ScalingPolicy
 from .cluster import ClusterBackend, ClusterError
@@ -26,7 +29,11 @@ def policy_of(deployment: Deployment) -> ScalingPolicy:
 
 
 def apply_decision(
-    deployment: Deployment, decision: Decision, backend: ClusterBackend, dry_run: bool = False
+    deployment: Deployment,
+    decision: Decision,
+    backend: ClusterBackend,
+    dry_run: bool = False,
+    at: datetime | None = None,
 ) -> ScalingDecision:
     """Scale through the backend (outside any transaction: it may retry for seconds), then
     record the outcome; ``desired_replicas`` follows only an accepted scale."""
@@ -50,4 +57,5 @@ def apply_decision(
             reason=decision.reason[:300],
             inputs=decision.inputs,
             error=error,
+            created_at=at or timezone.now(),
         )

@@ -49,7 +49,8 @@ class Membership(models.Model):
 
 class Quota(models.Model):
     """A tenant's request budget: ``burst`` tokens, refilled at ``requests_per_second``; and
-    for text generation, concurrent streams and generated plus prompt tokens per minute."""
+    for text generation, concurrent streams and generated plus prompt tokens per minute; and the
+    agent replicas its deployments may run on shared pools."""
 
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
     requests_per_second = models.FloatField(default=100.0, validators=[MinValueValidator(0.001)])
@@ -60,6 +61,9 @@ class Quota(models.Model):
     tokens_per_minute = models.PositiveIntegerField(
         default=60_000, validators=[MinValueValidator(1)]
     )
+    # Agent replicas all of the tenant's deployments may run at once on shared pools (None:
+    # no cap); the autoscaler holds a deployment below its own max to stay within it.
+    max_replicas = models.PositiveIntegerField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.tenant}: {self.requests_per_second:g}/s, burst {self.burst}"

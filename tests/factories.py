@@ -35,3 +35,19 @@ def make_version(model: Model, artifact: bytes, alias: str | None = "production"
     if alias:
         set_alias(model, alias, version)
     return version
+
+
+def make_session(node, deployment_name: str = "", budget_bytes: int = 0, channel: str = ""):
+    """A live agent connection of ``node``, as the consumer records it after the hello."""
+    from gateway.nodes import open_session
+    from serving_agent.protocol import Hello
+
+    hello = Hello(
+        agent_version="test",
+        host="test",
+        cpu_count=1,
+        memory_bytes=1 << 30,
+        deployment=deployment_name or None,
+        memory_budget_bytes=budget_bytes,
+    )
+    return open_session(node, channel or f"test.{node.name}.{deployment_name}", hello)

@@ -3,7 +3,7 @@
 import hashlib
 
 from gateway.nodes import assignment_for, create_node
-from tests.factories import make_model, make_tenant, make_version
+from tests.factories import make_model, make_session, make_tenant, make_version
 
 
 def get(client, version_id, token):
@@ -17,7 +17,7 @@ def test_node_downloads_an_assigned_artifact_with_its_hash(client, db, onnx_byte
     assert response.status_code == 200
     body = b"".join(response.streaming_content)
     assert hashlib.sha256(body).hexdigest() == version.sha256 == response["X-Artifact-Sha256"]
-    assert [s.version_id for s in assignment_for(node)] == [version.pk]
+    assert [s.version_id for s in assignment_for(node, make_session(node).pk)] == [version.pk]
 
 
 def test_bad_or_missing_node_token_gets_401(client, db, onnx_bytes):
@@ -38,7 +38,7 @@ def test_node_of_another_tenant_gets_404(client, db, onnx_bytes):
     version = make_version(make_model(make_tenant("acme")), onnx_bytes)
     node, token = create_node("beta-node", tenant=make_tenant("beta"))
     assert get(client, version.pk, token).status_code == 404
-    assert assignment_for(node) == []
+    assert assignment_for(node, make_session(node).pk) == []
 
 
 def test_version_without_an_alias_is_not_handed_out(client, db, onnx_bytes):

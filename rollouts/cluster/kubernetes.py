@@ -65,6 +65,8 @@ def agent_deployment(template: AgentTemplate) -> dict[str, Any]:
             "--token-file",
             f"{TOKEN_DIR}/token",
         ],
+        # The replica names its deployment in its hello: the platform assigns it that version.
+        "env": [{"name": "SWITCHYARD_DEPLOYMENT", "value": t.name}],
         "resources": resources,
         "volumeMounts": [{"name": "node-token", "mountPath": TOKEN_DIR, "readOnly": True}],
     }

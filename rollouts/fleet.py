@@ -1,0 +1,409 @@
+"""The fleet: which agent serves what, the autoscaler's control loop, and cold starts.
+
+- **Replicas** are agents a cluster backend started for one ``Deployment``; they name it in
+  their hello and serve its version only. The autoscaler counts them and reads their
+  heartbeats.
+- **Nodes run by hand** (a GPU box, a DaemonSet, the demo's agent) serve the versions that have
+  no deployment, placed on them by memory (``rollouts.placement``).
+- **The control loop** (``autoscale_all``, a Celery beat task): per deployment, one ``Signal``
+  from its replicas' heartbeats and the gateway's cold-start wakes, one decision over the
+  signals of the stabilisation window (``rollouts.autoscale.decide``), the tenant's replica
+  quota, then the backend; every decision is stored with its inputs.
+- **Cold start**: a request for a deployed version with no ready replica wakes it (``wake``):
+  the next decision sees the held request and starts a replica at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, fields
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db.models import Q, QuerySet, Sum
+from django.utils import timezone
+
+from gateway.models import AgentSession, Node
+from registry.models import ModelVersion
+from tenants.models import Quota
+
+from .autoscale import Decision, Signal, decide
+from .cluster import AgentTemplate, ClusterBackend, ClusterError
+from .models import ClusterKind, Deployment, Isolation, Pool, ScalingDecision
+from .placement import Candidate, Item, place
+from .scaling import apply_decision, policy_of
+
+log = logging.getLogger(__name__)
+
+TOKEN_SECRET = "switchyard-agent-token"  # the Secret agents' pods mount (deploy/README.md)
+TENANT_LABEL = "switchyard.io/tenant"
+DEDICATED_TAINT = "switchyard.io/dedicated"
+# A version's memory need before any agent measured it: its artifact's size times this, as
+# runtimes hold the weights plus working buffers.
+ESTIMATE_FACTOR = 2
+
+
+# Agents --------------------------------------------------------------------------------------
+
+
+def live_sessions() -> QuerySet[AgentSession]:
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    return AgentSession.objects.filter(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon)
+
+
+def deployed_version_ids() -> set[int]:
+    return set(Deployment.objects.values_list("version_id", flat=True))
+
+
+def find_deployment(name: str) -> Deployment | None:
+    """The deployment a replica names (its cluster name, ``sy-agent-<pk>-v<version>``)."""
+    prefix, _, rest = name.partition("sy-agent-")
+    pk = rest.split("-", 1)[0]
+    if prefix or not pk.isdigit():
+        return None
+    found = Deployment.objects.select_related("version__model", "pool").filter(pk=int(pk)).first()
+    return found if found is not None and found.cluster_name == name else None
+
+
+def measured_needs() -> dict[int, int]:
+    """Each version's largest footprint any live agent measured while loading it."""
+    needs: dict[int, int] = {}
+    for stats in live_sessions().values_list("stats", flat=True):
+        for load in (stats or {}).get("versions", []):
+            vid, size = load.get("version_id"), load.get("memory_bytes") or 0
+            if isinstance(vid, int) and size > needs.get(vid, 0):
+                needs[vid] = size
+    return needs
+
+
+def need_of(version: ModelVersion, measured: dict[int, int]) -> int:
+    if version.pk in measured:
+        return measured[version.pk]
+    try:
+        return version.artifact.size * ESTIMATE_FACTOR
+    except (OSError, ValueError):  # the file is missing: loading it will fail anyway
+        return 0
+
+
+def placed_versions(
+    session_id: int, scope_versions: dict[int | None, list[ModelVersion]]
+) -> list[int]:
+    """The versions placement gives this node-run-by-hand session, among every live one's.
+
+    ``scope_versions`` maps each node scope (a tenant id, None for all) to the undeployed
+    versions served in it.
+    """
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    live = Q(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon, deployment_name="")
+    sessions = AgentSession.objects.filter(live | Q(pk=session_id)).select_related("node")
+    measured = measured_needs()
+    items: dict[int, Item] = {}
+    for versions in scope_versions.values():
+        for v in versions:
+            items[v.pk] = Item(v.pk, need_of(v, measured), v.model.tenant_id)
+    candidates = [
+        Candidate(
+            key=s.pk,
+            budget_bytes=s.memory_budget_bytes,
+            holds=frozenset(s.ready_versions),
+            evicted=frozenset((s.stats or {}).get("evicted", [])),
+            scope=s.node.tenant_id,
+        )
+        for s in sessions
+    ]
+    placement = place(items.values(), candidates)
+    if placement.unplaced:
+        log.warning("versions %s fit on no agent's memory budget", placement.unplaced)
+    return placement.assigned.get(session_id, [])
+
+
+# The control loop ----------------------------------------------------------------------------
+
+
+def ensure_pool_token(pool: Pool) -> Path:
+    """The local backend's agents authenticate as the node ``pool-<name>``; only the hash is
+    in the database, so the raw token lives in a file only this user can read."""
+    path = settings.LOCAL_AGENTS_DIR / "tokens" / f"{pool.name}.token"
+    node = Node.objects.filter(name=f"pool-{pool.name}").first()
+    if node is not None and path.exists():
+        return path
+    from gateway.nodes import create_node, rotate_node_token
+
+    raw = rotate_node_token(node) if node else create_node(f"pool-{pool.name}")[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(raw)
+    return path
+
+
+def backend_for(pool: Pool) -> ClusterBackend:
+    if pool.backend == ClusterKind.LOCAL:
+        from .cluster.local import LocalBackend
+
+        return LocalBackend(
+            settings.LOCAL_AGENTS_DIR,
+            settings.PLATFORM_URL,
+            ensure_pool_token(pool),
+            cache_dir=settings.LOCAL_AGENTS_DIR / "cache",
+        )
+    from .cluster.kubernetes import KubernetesBackend
+
+    try:
+        return KubernetesBackend.from_environment(pool.namespace)
+    except Exception as exc:  # no in-cluster config and no kubeconfig
+        raise ClusterError(f"cannot reach Kubernetes: {exc}") from exc
+
+
+def template_for(deployment: Deployment) -> AgentTemplate:
+    pool, tenant = deployment.pool, deployment.tenant
+    selector, tolerations = dict(pool.node_selector), list(pool.tolerations)
+    if deployment.isolation == Isolation.DEDICATED:
+        # Dedicated nodes carry the tenant's label and taint; nobody else's pods land there.
+        selector[TENANT_LABEL] = tenant.slug
+        tolerations.append(
+            {
+                "key": DEDICATED_TAINT,
+                "operator": "Equal",
+                "value": tenant.slug,
+                "effect": "NoSchedule",
+            }  # fmt: skip
+        )
+    return AgentTemplate(
+        name=deployment.cluster_name,
+        namespace=pool.namespace,
+        image=pool.image or settings.AGENT_IMAGE,
+        platform_url=settings.PLATFORM_URL,
+        token_secret=TOKEN_SECRET,
+        replicas=deployment.desired_replicas,
+        cpu=deployment.cpu,
+        memory=deployment.memory,
+        gpus=deployment.gpus,
+        mig_profile=deployment.mig_profile or None,
+        node_selector=selector,
+        tolerations=tolerations,
+        labels={TENANT_LABEL: tenant.slug, "switchyard.io/pool": pool.name},
+    )
+
+
+def template_hash(template: AgentTemplate) -> str:
+    spec = asdict(template) | {"replicas": None}  # scaling is not a template change
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def gather_signal(
+    deployment: Deployment, now: datetime, last: ScalingDecision | None
+) -> tuple[Signal, dict]:
+    """What the deployment's replicas report now, and what the decision should store."""
+    replicas = list(live_sessions().filter(deployment=deployment).select_related("node"))
+    vid = deployment.version_id
+    previous = (last.inputs.get("totals") or {}) if last else {}
+    totals, served, queue, in_flight, p99, held = {}, 0, 0.0, 0.0, 0.0, []
+    for session in replicas:
+        stats = session.stats or {}
+        total = int(stats.get("requests_total", 0))
+        totals[str(session.pk)] = total
+        # A replica new since the last decision counts all it served; a restarted one, too.
+        before = previous.get(str(session.pk), 0)
+        recent = total - before if total >= before else total
+        served += recent
+        queue += stats.get("queue_depth", 0)
+        in_flight += stats.get("in_flight", 0)
+        if recent:  # a replica's p99 window is stale once it stops serving
+            p99 = max(p99, float(stats.get("p99_ms", 0.0)))
+        held.append(
+            {
+                "session": session.pk,
+                "agent": session.node.name,
+                "ready": vid in session.ready_versions,
+                "holds": sorted(session.ready_versions),
+                "queue_depth": stats.get("queue_depth", 0),
+                "in_flight": stats.get("in_flight", 0),
+            }
+        )
+    woken_at = deployment.woken_at
+    woken = woken_at is not None and (last is None or woken_at > last.created_at)
+    signal = Signal(
+        at=now.timestamp(),
+        replicas=deployment.desired_replicas,
+        queue_depth=queue,
+        in_flight=in_flight,
+        p99_ms=round(p99, 3),
+        requests=served,
+        pending=int(woken),
+    )
+    extra = {
+        "actual": len(replicas),
+        "ready": sum(r["ready"] for r in held),
+        "replicas_detail": held,
+        "totals": totals,
+    }
+    return signal, extra
+
+
+def history_of(deployment: Deployment, now: datetime) -> list[Signal]:
+    """The signals of earlier decisions inside the scale-down window, oldest first."""
+    since = now - timedelta(seconds=deployment.scale_down_window_s)
+    names = {f.name for f in fields(Signal)}
+    rows = deployment.decisions.filter(created_at__gte=since).order_by("created_at", "pk")
+    history = []
+    for inputs in rows.values_list("inputs", flat=True):
+        values = {k: inputs[k] for k in names if k in inputs}
+        if len(values) == len(names):
+            history.append(Signal(**values))
+    return history
+
+
+def quota_cap(deployment: Deployment, desired: int) -> tuple[int, str]:
+    """Hold a shared-pool deployment within its tenant's replica quota."""
+    if deployment.isolation != Isolation.SHARED:
+        return desired, ""
+    limit = Quota.objects.filter(tenant_id=deployment.tenant_id).values_list(
+        "max_replicas", flat=True
+    )
+    limit = limit.first()
+    if limit is None:
+        return desired, ""
+    others = (
+        Deployment.objects.filter(tenant_id=deployment.tenant_id, isolation=Isolation.SHARED)
+        .exclude(pk=deployment.pk)
+        .aggregate(n=Sum("desired_replicas"))["n"]
+        or 0
+    )
+    room = max(limit - others, 0)
+    if desired <= room:
+        return desired, ""
+    return room, f"; capped at {room} by the tenant's quota of {limit} replicas"
+
+
+def autoscale_deployment(
+    deployment: Deployment, backend: ClusterBackend | None, now: datetime | None = None
+) -> ScalingDecision:
+    """One control-loop step for one deployment; returns the stored decision."""
+    now = now or timezone.now()
+    last = deployment.decisions.order_by("-created_at", "-pk").first()
+    signal, extra = gather_signal(deployment, now, last)
+    if signal.requests or signal.pending:
+        deployment.last_active_at = now
+        Deployment.objects.filter(pk=deployment.pk).update(last_active_at=now)
+    decision = decide(
+        policy_of(deployment),
+        [*history_of(deployment, now), signal],
+        deployment.last_active_at.timestamp(),
+    )
+    desired, capped = quota_cap(deployment, decision.desired)
+    decision = Decision(desired, decision.reason + capped, decision.inputs | extra)
+    if backend is None:
+        return _record(deployment, decision, None, "no cluster backend for this pool", now)
+    try:
+        _apply_template(deployment, backend)
+    except ClusterError as exc:
+        return _record(deployment, decision, None, f"applying the agent template: {exc}", now)
+    if desired == deployment.desired_replicas:
+        return _record(deployment, decision, desired, "", now)
+    return apply_decision(deployment, decision, backend, at=now)
+
+
+def _apply_template(deployment: Deployment, backend: ClusterBackend) -> None:
+    template = template_for(deployment)
+    digest = template_hash(template)
+    if digest == deployment.applied_template:
+        return
+    backend.apply(template)
+    Deployment.objects.filter(pk=deployment.pk).update(applied_template=digest)
+    deployment.applied_template = digest
+
+
+def _record(
+    deployment: Deployment, decision: Decision, accepted: int | None, error: str, at: datetime
+) -> ScalingDecision:
+    return ScalingDecision.objects.create(
+        created_at=at,
+        deployment=deployment,
+        current=deployment.desired_replicas,
+        desired=decision.desired,
+        accepted=accepted,
+        reason=decision.reason[:300],
+        inputs=decision.inputs,
+        error=error[:300],
+    )
+
+
+def autoscale_all(deployment_id: int | None = None) -> dict[int, str]:
+    """One pass of the control loop over every deployment (or one); returns id -> reason."""
+    now = timezone.now()
+    deployments = Deployment.objects.select_related("pool", "tenant", "version")
+    if deployment_id is not None:
+        deployments = deployments.filter(pk=deployment_id)
+    backends: dict[int, ClusterBackend | None] = {}
+    done = {}
+    for deployment in deployments:
+        pool = deployment.pool
+        if pool.pk not in backends:
+            try:
+                backends[pool.pk] = backend_for(pool)
+            except ClusterError as exc:
+                log.error("pool %s: %s", pool.name, exc)
+                backends[pool.pk] = None
+        decision = autoscale_deployment(deployment, backends[pool.pk], now)
+        done[deployment.pk] = decision.reason
+        if decision.accepted != decision.current:
+            log.info("deployment %s: %s", deployment.pk, decision)
+    for backend in backends.values():
+        reconcile = getattr(backend, "reconcile_all", None)
+        if reconcile is not None:
+            reconcile()  # the local backend restarts replicas whose process died
+    cutoff = now - timedelta(hours=settings.SCALING_HISTORY_HOURS)
+    ScalingDecision.objects.filter(created_at__lt=cutoff).delete()
+    return done
+
+
+# Cold start ----------------------------------------------------------------------------------
+
+
+def wake(version_id: int) -> bool:
+    """A request is waiting for this version and no replica is ready: mark it, so the next
+    decision starts one, and run that decision now. False when no deployment serves the
+    version (nothing can be started for it)."""
+    woken = list(Deployment.objects.filter(version_id=version_id).values_list("pk", flat=True))
+    if not woken:
+        return False
+    Deployment.objects.filter(pk__in=woken).update(woken_at=timezone.now())
+    from .tasks import autoscale
+
+    for pk in woken:
+        try:
+            autoscale.apply_async(kwargs={"deployment_id": pk}, expires=60)
+        except Exception as exc:  # the broker is down: beat's next tick still sees the wake
+            log.warning("could not queue an autoscale run for a cold start: %s", exc)
+    return True
+
+
+COLD_STAGES = [
+    ("scaling up", 0.1),
+    ("starting a replica", 0.3),
+    ("replica connected", 0.5),
+    ("loading the model", 0.7),
+]
+
+
+def cold_start_progress(version_id: int) -> dict:
+    """Where a cold start of this version stands, for a client told to wait."""
+    deployments = Deployment.objects.filter(version_id=version_id)
+    replicas = live_sessions().filter(deployment__in=deployments)
+    key = str(version_id)
+    states = [(s.version_states or {}).get(key, {}).get("state") for s in replicas]
+    if "loading" in states:
+        stage = 3
+    elif replicas:
+        stage = 2
+    elif deployments.filter(desired_replicas__gt=0).exists():
+        stage = 1
+    else:
+        stage = 0
+    name, progress = COLD_STAGES[stage]
+    return {"stage": name, "progress": progress}
