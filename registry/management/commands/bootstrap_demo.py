@@ -1,5 +1,5 @@
 """Set up the embedded demo: admin (an approver) and engineer users, demo tenant and key, a node,
-the fraud model serving.
+the fraud model serving, and the same model deployed with autoscaling on the local pool.
 
 Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` so the
 start script can print them and hand the node token to the local agent.
@@ -20,6 +20,7 @@ from registry.demo import FEATURE_NAMES, train_fraud_model
 from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
 from rollouts.audit import user_actor
+from rollouts.models import ClusterKind, Deployment, Pool
 from tenants.keys import create_api_key, identify_key
 from tenants.models import Membership, Quota, Role, Tenant
 
@@ -61,6 +62,46 @@ class Command(BaseCommand):
             **details,
         )
         set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
+
+    def _autoscaled_model(self, tenant: Tenant, fraud: Model, admin) -> None:
+        """The fraud model again as ``fraud-autoscaled``, deployed on the local pool: the
+        control loop starts agent processes for it under load and stops them when idle."""
+        model, _ = Model.objects.get_or_create(
+            tenant=tenant,
+            name="fraud-autoscaled",
+            defaults={"task": TaskKind.CLASSIFIER, "description": "Demo autoscaled model"},
+        )
+        if not model.versions.exists():
+            source = fraud.versions.order_by("version").first()
+            with source.artifact.open("rb") as f:
+                data = f.read()
+            version = create_version(
+                model,
+                data,
+                feature_names=source.feature_names,
+                source_commit="demo",
+                description="the demo fraud model, deployed with autoscaling",
+            )
+            set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
+        pool, _ = Pool.objects.get_or_create(
+            name="local",
+            defaults={
+                "backend": ClusterKind.LOCAL,
+                "description": "agent processes on this machine",
+            },
+        )
+        Deployment.objects.get_or_create(
+            version=model.aliases.get(name="production").version,
+            pool=pool,
+            defaults={
+                "tenant": tenant,
+                "min_replicas": 0,
+                "max_replicas": 3,
+                "target_load_per_replica": 4,
+                "scale_down_window_s": 60,
+                "idle_to_zero_s": 120,
+            },
+        )
 
     def _bootstrap(self, saved: dict) -> dict:
         User = get_user_model()
@@ -113,6 +154,7 @@ class Command(BaseCommand):
             )
             set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
         self._text_model(tenant, admin)
+        self._autoscaled_model(tenant, model, admin)
         return {
             "admin_user": "admin",
             "admin_password": password if admin.check_password(password) else "(unchanged)",
