@@ -146,10 +146,7 @@ def backend_for(pool: Pool) -> ClusterBackend:
         from .cluster.local import LocalBackend
 
         return LocalBackend(
-            settings.LOCAL_AGENTS_DIR,
-            settings.PLATFORM_URL,
-            ensure_pool_token(pool),
-            cache_dir=settings.LOCAL_AGENTS_DIR / "cache",
+            settings.LOCAL_AGENTS_DIR, settings.PLATFORM_URL, ensure_pool_token(pool)
         )
     from .cluster.kubernetes import KubernetesBackend
 

@@ -271,3 +271,21 @@ def test_cold_start_wakes_the_deployment_and_reports_progress(deployed):
     assert fleet.cold_start_progress(scaled.pk)["stage"] == "replica connected"
     served, _, _ = deployed
     assert fleet.wake(served.pk) is False  # no deployment: nothing to start
+
+
+def test_a_local_pool_gets_a_node_token_file_only_this_user_reads(db, settings, tmp_path):
+    from gateway.nodes import authenticate_node
+    from rollouts.cluster.local import LocalBackend
+
+    settings.LOCAL_AGENTS_DIR = tmp_path
+    pool = Pool.objects.create(name="local", backend="local")
+    backend = fleet.backend_for(pool)
+    assert isinstance(backend, LocalBackend)
+    path = fleet.ensure_pool_token(pool)
+    assert path.stat().st_mode & 0o777 == 0o600
+    node = authenticate_node(path.read_text())
+    assert node is not None and node.name == "pool-local" and node.tenant is None
+    assert fleet.ensure_pool_token(pool) == path and authenticate_node(path.read_text()) == node
+    path.unlink()  # lost: a new token replaces the old one
+    fleet.ensure_pool_token(pool)
+    assert authenticate_node(path.read_text()) == node
