@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ._cache import ArtifactCache
 from ._client import Agent
+from ._memory import HOST_BUDGET_FRACTION, MiB
 
 DEFAULT_CACHE = "~/.cache/switchyard-agent"
 
@@ -44,6 +45,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--name", help="node name reported to the platform (default: hostname)")
     parser.add_argument(
+        "--deployment",
+        default=env.get("SWITCHYARD_DEPLOYMENT"),
+        help="the cluster Deployment this replica belongs to (env SWITCHYARD_DEPLOYMENT)",
+    )
+    parser.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=env.get("SWITCHYARD_AGENT_MEMORY_MB"),
+        help="memory loaded versions may fill, in MiB (env SWITCHYARD_AGENT_MEMORY_MB; default: "
+        f"the GPU's memory, else {HOST_BUDGET_FRACTION * 100:.0f}%% of the memory available at "
+        "start)",
+    )
+    parser.add_argument(
+        "--cold-after-s",
+        type=float,
+        default=env.get("SWITCHYARD_AGENT_COLD_AFTER_S", "30"),
+        help="a version idle this long with nothing queued may be evicted to make room for "
+        "another (env SWITCHYARD_AGENT_COLD_AFTER_S, default 30)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads for ONNX Runtime and torch"
     )
     parser.add_argument(
@@ -61,7 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--token, --token-file or SWITCHYARD_NODE_TOKEN is required")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
+        parser.error("--memory-budget-mb must be positive")
+    if args.cold_after_s < 0:
+        parser.error("--cold-after-s must not be negative")
     return args
+
+
+def memory_budget_bytes(args: argparse.Namespace) -> int:
+    """The budget in bytes; 0 leaves it to the agent's default for the node."""
+    return 0 if args.memory_budget_mb is None else int(args.memory_budget_mb * MiB)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -70,7 +100,16 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     cache = ArtifactCache(args.cache_dir)
-    agent = Agent(args.platform, args.token, cache, threads=args.threads, name=args.name)
+    agent = Agent(
+        args.platform,
+        args.token,
+        cache,
+        threads=args.threads,
+        name=args.name,
+        deployment=args.deployment,
+        memory_budget_bytes=memory_budget_bytes(args),
+        cold_after_s=args.cold_after_s,
+    )
     try:
         await agent.run(stop)
     finally:

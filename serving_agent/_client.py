@@ -1,14 +1,19 @@
 """The agent's connection to the platform: hello, assignments, inference and generation frames,
-heartbeats.
+heartbeats, and the memory budget that decides how many versions stay loaded.
 
 Each step is a small method that can be tested alone; ``Agent.run`` strings them together and
 reconnects. Loaded versions belong to the agent, not to a connection, so they survive
 reconnects.
+
+Memory: a version that does not fit the budget evicts the least recently used *cold* version
+(nothing queued or running, idle for ``cold_after_s``), and the eviction is verified by
+measuring that the memory came back before the new version loads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import random
@@ -16,10 +21,10 @@ import struct
 import time
 from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
@@ -30,6 +35,15 @@ from ._batcher import INLINE_BELOW_S, Batcher
 from ._cache import ArtifactCache
 from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded
 from ._facts import node_facts
+from ._memory import (
+    MEASURABLE_BYTES,
+    Reading,
+    gpu_use,
+    mib,
+    read_memory,
+    release_memory,
+    released_enough,
+)
 from ._runtime import Runtime, load_runtime, warm_up
 from ._signature import check_inputs
 from .protocol import (
@@ -42,6 +56,7 @@ from .protocol import (
     InferError,
     InferRequest,
     InferResult,
+    VersionLoad,
     VersionSpec,
     VersionState,
     VersionStatus,
@@ -60,6 +75,13 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CLOSE_BAD_TOKEN = 4401
 LATENCY_WINDOW = 1024
+# Without the platform's estimate, a version is taken to need twice its artifact: ONNX Runtime
+# holds a copy of the weights plus its arena for activations, a textgen engine the weights plus
+# its KV cache. The real footprint is measured once it has loaded.
+NEED_PER_ARTIFACT_BYTE = 2
+_CUDA_PROVIDERS = {"CUDAExecutionProvider", "torch-cuda"}
+
+T = TypeVar("T")
 
 
 # Fields that change what is loaded; a change in any other field (batching or generation
@@ -99,6 +121,12 @@ def needs_reload(old: VersionSpec, new: VersionSpec) -> bool:
     return old.model_dump(include=_ARTIFACT_FIELDS) != new.model_dump(include=_ARTIFACT_FIELDS)
 
 
+def estimate_need(spec: VersionSpec, path: Path) -> int:
+    """Bytes a version is expected to take once loaded: the platform's estimate, else a multiple
+    of its artifact's size."""
+    return spec.memory_bytes or NEED_PER_ARTIFACT_BYTE * path.stat().st_size
+
+
 class AuthRejected(Exception):
     """The platform refused the node token (HTTP 401/403 or close code 4401)."""
 
@@ -108,28 +136,110 @@ class Sender(Protocol):
 
 
 @dataclass(eq=False)
+class Usage:
+    """What one loaded version holds and how recently it was used: the eviction's inputs."""
+
+    memory_bytes: int = 0  # counted against the budget: max(measured, artifact size)
+    measured_bytes: int = 0  # what loading it measurably added
+    artifact_bytes: int = 0
+    on_cuda: bool = False  # measured as CUDA memory rather than host RSS
+    loaded_at: float = field(default_factory=time.monotonic)
+    last_used: float | None = None  # time.monotonic() of its latest request
+    in_flight: int = 0
+    requests_total: int = 0
+
+    @property
+    def releasable_bytes(self) -> int:
+        """What unloading it must give back: its measured footprint, but no more than its
+        artifact. The first version of each runtime also paid that runtime's one-time setup,
+        which no unload returns (measured: ONNX Runtime's environment ~8 MiB, torch's first
+        textgen load ~75 MiB)."""
+        return min(self.measured_bytes, self.artifact_bytes)
+
+    @property
+    def last_active(self) -> float:
+        return self.loaded_at if self.last_used is None else self.last_used
+
+    def started(self) -> None:
+        self.in_flight += 1
+        self.last_used = time.monotonic()
+
+    def finished(self) -> None:
+        self.in_flight -= 1
+        self.requests_total += 1
+        self.last_used = time.monotonic()
+
+
+def measure_usage(before: Reading, after: Reading, provider: str, path: Path) -> Usage:
+    """A new version's usage from readings taken around its load and warm-up. A tiny model is
+    lost in allocator noise, so it counts at least its artifact's size: never zero."""
+    on_cuda = provider in _CUDA_PROVIDERS
+    measured = max(0, after.minus(before, on_cuda))
+    size = path.stat().st_size
+    return Usage(
+        memory_bytes=max(measured, size),
+        measured_bytes=measured,
+        artifact_bytes=size,
+        on_cuda=on_cuda,
+    )
+
+
+def settled_reading(collect: bool = True) -> Reading:
+    """Memory in use once freed memory went back to the OS (blocking; call it in a thread).
+
+    Readings around a load skip the garbage collection (``collect=False``): a model's memory
+    is freed by reference counting, and a full collection of an unfrozen heap holding torch
+    costs 0.1-0.3 s. Evictions pay it, since there a missed cycle would read as a leak.
+    """
+    release_memory(collect)
+    return read_memory()
+
+
+def settled_load_reading() -> Reading:
+    return settled_reading(collect=False)
+
+
+@dataclass(eq=False)
 class Loaded:
-    """A ready version: its spec, the model, and the batcher in front of it."""
+    """A ready version: its spec, the model, the batcher in front of it, and its usage."""
 
     spec: VersionSpec
     runtime: Runtime
     batcher: Batcher
+    usage: Usage = field(default_factory=Usage)
 
     @property
     def provider(self) -> str:
         return self.runtime.provider
 
+    @property
+    def in_flight(self) -> int:
+        return self.usage.in_flight
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.depth
+
 
 @dataclass(eq=False)
 class LoadedTextGen:
-    """A ready ``textgen`` version: its spec and the engine decoding its streams."""
+    """A ready ``textgen`` version: its spec, the engine decoding its streams, and its usage."""
 
     spec: VersionSpec
     engine: Engine
+    usage: Usage = field(default_factory=Usage)
 
     @property
     def provider(self) -> str:
         return self.engine.provider
+
+    @property
+    def in_flight(self) -> int:
+        return self.engine.streams_active
+
+    @property
+    def queue_depth(self) -> int:
+        return 0  # streams wait for the next step, which is a few milliseconds away
 
 
 class Stats:
@@ -168,6 +278,9 @@ class Agent:
         retry_cap: float = 10.0,
         auth_retry_s: float = 60.0,
         stable_s: float = 10.0,
+        deployment: str | None = None,
+        memory_budget_bytes: int = 0,
+        cold_after_s: float = 30.0,
     ) -> None:
         self.platform = platform.rstrip("/")
         self.url = ws_url(platform)
@@ -178,6 +291,9 @@ class Agent:
         self.retry_cap = retry_cap
         self.auth_retry_s = auth_retry_s
         self.stable_s = stable_s  # a connection up this long resets the backoff
+        self.deployment = deployment
+        self.memory_budget_bytes = memory_budget_bytes  # 0 until hello(): the node's default
+        self.cold_after_s = cold_after_s  # idle this long (and nothing queued): may be evicted
         self.headers = {"Authorization": f"Bearer {token}"}
         self.connection: Sender | None = None
         self.heartbeat_s = 5.0
@@ -186,6 +302,14 @@ class Agent:
         # Generation counters of unloaded versions, so the heartbeat's totals never go back.
         self._generation_retired = dict.fromkeys((*_GENERATION_TOTALS, "max_decode_batch"), 0)
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
+        # Versions this agent unloaded to make room (id -> the eviction's detail), and versions
+        # that could not get room (id -> their spec and why). Neither is loaded again while the
+        # platform keeps assigning it; each is forgotten once an assign leaves it out.
+        self.evicted: dict[int, str] = {}
+        self.unfit: dict[int, tuple[VersionSpec, str]] = {}
+        # Loads take turns: a footprint is the memory gained while one version loads, and each
+        # fit check must count the version that loaded just before it.
+        self._load_lock = asyncio.Lock()
         self._hello: Hello | None = None
         self._heartbeats: asyncio.Task[None] | None = None
         self._requests: set[asyncio.Task[None]] = set()
@@ -290,7 +414,15 @@ class Agent:
 
     async def hello(self) -> Hello:
         if self._hello is None:  # nvidia-smi is slow and the facts do not change
-            self._hello = await asyncio.to_thread(node_facts, self.name)
+            self._hello = await asyncio.to_thread(
+                partial(
+                    node_facts,
+                    self.name,
+                    deployment=self.deployment,
+                    memory_budget_bytes=self.memory_budget_bytes,
+                )
+            )
+            self.memory_budget_bytes = self._hello.memory_budget_bytes
         return self._hello
 
     async def _close_on(self, stop: asyncio.Event, ws: ClientConnection) -> None:
@@ -348,7 +480,27 @@ class Agent:
             p99_ms=p99,
             streams_active=sum(e.streams_active for e in self.engines()),
             **self.generation_totals(),
+            memory_budget_bytes=self.memory_budget_bytes,
+            memory_used_bytes=self.memory_used(),
+            versions=[self.version_load(v) for _, v in sorted(self.versions.items())],
+            evicted=sorted(self.evicted),
+            gpus=gpu_use(),
         )
+
+    def version_load(self, loaded: Loaded | LoadedTextGen) -> VersionLoad:
+        last_used = loaded.usage.last_used
+        return VersionLoad(
+            version_id=loaded.spec.version_id,
+            memory_bytes=loaded.usage.memory_bytes,
+            queue_depth=loaded.queue_depth,
+            in_flight=loaded.in_flight,
+            requests_total=loaded.usage.requests_total,
+            idle_s=None if last_used is None else time.monotonic() - last_used,
+        )
+
+    def memory_used(self) -> int:
+        """Bytes the loaded versions hold, by the footprints measured when they loaded."""
+        return sum(v.usage.memory_bytes for v in self.versions.values())
 
     def engines(self) -> list[Engine]:
         return [v.engine for v in self.versions.values() if isinstance(v, LoadedTextGen)]
@@ -408,13 +560,36 @@ class Agent:
         logger.info("assigned versions %s", sorted(wanted))
         for version_id in {*self.versions, *self._loading} - wanted.keys():
             self.unload(version_id)
+        # Evicted and unfit versions are retried only after they left the assignment and came
+        # back: retrying while still assigned would evict another version, which would evict
+        # this one back in turn. Re-assigning the same content (a reconnect does) changes nothing.
+        for version_id in [*self.evicted]:
+            if version_id not in wanted:
+                del self.evicted[version_id]
+        for version_id, (unfit, _) in [*self.unfit.items()]:
+            spec = wanted.get(version_id)
+            if spec is None or needs_reload(unfit, spec) or unfit.memory_bytes != spec.memory_bytes:
+                del self.unfit[version_id]
         for version_id, spec in wanted.items():
             loaded = self.versions.get(version_id)
             loading = self._loading.get(version_id)
-            if loaded is not None and not needs_reload(loaded.spec, spec):
+            # Repeat each state: after a reconnect the platform has not heard it from us.
+            if version_id in self.evicted:
+                detail = self.evicted[version_id]
+                self._spawn(self.send_status(version_id, "evicted", detail=detail))
+            elif version_id in self.unfit:
+                detail = self.unfit[version_id][1]
+                self._spawn(self.send_status(version_id, "failed", detail=detail))
+            elif loaded is not None and not needs_reload(loaded.spec, spec):
                 self._set_limits(loaded, spec)
-                # Repeat the state: after a reconnect the platform has not heard it from us.
-                self._spawn(self.send_status(version_id, "ready", provider=loaded.provider))
+                self._spawn(
+                    self.send_status(
+                        version_id,
+                        "ready",
+                        provider=loaded.provider,
+                        memory_bytes=loaded.usage.memory_bytes,
+                    )
+                )
             elif loading is not None and not needs_reload(loading[0], spec):
                 self._loading[version_id] = (spec, loading[1])  # the load applies these limits
                 self._spawn(self.send_status(version_id, "loading"))
@@ -433,7 +608,8 @@ class Agent:
         loaded.batcher.max_queue = spec.max_queue
 
     async def load(self, spec: VersionSpec) -> None:
-        """Download, verify, load and warm up one version, reporting each outcome."""
+        """Download, verify, make room for, load and warm up one version, reporting each
+        outcome."""
         version_id = spec.version_id
         await self.send_status(version_id, "loading")
         try:
@@ -443,8 +619,24 @@ class Agent:
             return await self._load_failed(version_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"download failed: {exc}")
-        if spec.format == "textgen":
-            return await self.load_textgen(spec, path)
+        async with self._load_lock:
+            problem = await self.make_room(version_id, estimate_need(spec, path))
+            if problem is not None:
+                self.unfit[version_id] = (self._loading.get(version_id, (spec,))[0], problem)
+                return await self._load_failed(version_id, problem)
+            if spec.format == "textgen":
+                # Imports torch (hundreds of MiB) on the first textgen version: before the
+                # reading, so that version's footprint is its own; in a thread, as it takes
+                # seconds.
+                await asyncio.to_thread(importlib.import_module, f"{__package__}._generate")
+            before = await asyncio.to_thread(settled_load_reading)
+            if spec.format == "textgen":
+                return await self.load_textgen(spec, path, before)
+            await self.load_onnx(spec, path, before)
+
+    async def load_onnx(self, spec: VersionSpec, path: Path, before: Reading) -> None:
+        """Load an ONNX artifact behind a batcher, warm it up, measure it, report."""
+        version_id = spec.version_id
         try:
             runtime = await asyncio.to_thread(load_runtime, path, spec, self.threads)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
@@ -456,6 +648,9 @@ class Agent:
             if not isinstance(exc, Exception):
                 raise
             return await self._load_failed(version_id, f"warm-up failed: {exc}")
+        usage = measure_usage(
+            before, await asyncio.to_thread(settled_load_reading), runtime.provider, path
+        )
 
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         batcher = Batcher(
@@ -465,18 +660,22 @@ class Agent:
             max_queue=spec.max_queue,
             inline=latency < INLINE_BELOW_S,
         )
-        self.versions[version_id] = Loaded(spec, runtime, batcher)
+        self.versions[version_id] = Loaded(spec, runtime, batcher, usage)
         logger.info(
-            "version %d ready on %s (warm batch-1 %.3f ms, %s)",
+            "version %d ready on %s (warm batch-1 %.3f ms, %s, %s measured)",
             version_id,
             runtime.provider,
             latency * 1000,
             "inline" if batcher.inline else "worker thread",
+            mib(usage.measured_bytes),
         )
-        await self.send_status(version_id, "ready", provider=runtime.provider)
+        await self.send_status(
+            version_id, "ready", provider=runtime.provider, memory_bytes=usage.memory_bytes
+        )
 
-    async def load_textgen(self, spec: VersionSpec, path: Path) -> None:
-        """Load a textgen artifact onto an engine, warm it up with a tiny generation, report."""
+    async def load_textgen(self, spec: VersionSpec, path: Path, before: Reading) -> None:
+        """Load a textgen artifact onto an engine, warm it up with a tiny generation, measure
+        it, report."""
         from ._generate import load_engine  # torch is imported only by nodes that generate
 
         version_id = spec.version_id
@@ -484,19 +683,95 @@ class Agent:
             engine, warm_s = await asyncio.to_thread(load_engine, path, spec, self.threads)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"load failed: {exc}")
+        usage = measure_usage(
+            before, await asyncio.to_thread(settled_load_reading), engine.provider, path
+        )
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         engine.set_limits(spec.generation)
-        self.versions[version_id] = LoadedTextGen(spec, engine)
+        self.versions[version_id] = LoadedTextGen(spec, engine, usage)
         logger.info(
-            "version %d ready on %s (textgen, warm-up generation %.1f ms)",
+            "version %d ready on %s (textgen, warm-up generation %.1f ms, %s measured)",
             version_id,
             engine.provider,
             warm_s * 1000,
+            mib(usage.measured_bytes),
         )
-        await self.send_status(version_id, "ready", provider=engine.provider)
+        await self.send_status(
+            version_id, "ready", provider=engine.provider, memory_bytes=usage.memory_bytes
+        )
+
+    # Memory -----------------------------------------------------------------------------------
+
+    async def make_room(self, version_id: int, need: int) -> str | None:
+        """Evict least recently used cold versions until ``need`` more bytes fit the budget.
+        None once they fit; else why the version cannot load (reported as its failure)."""
+        await self.hello()  # settles the budget
+        budget = self.memory_budget_bytes
+        if budget <= 0:
+            return None  # the node's memory could not be read: no limit to keep
+        if need > budget:  # evicting everything would not help; keep what serves now
+            return f"does not fit: needs {mib(need)}, more than the whole budget of {mib(budget)}"
+        while (used := self.memory_used()) + need > budget:
+            victim = self.coldest_version()
+            if victim is None:
+                return (
+                    f"does not fit: needs {mib(need)}, {mib(max(0, budget - used))} free of "
+                    f"{mib(budget)}, no cold version to evict"
+                )
+            # Taken out now, not in the task: a request arriving in between would find it
+            # loaded and busy. The task runs to the end even if this load is cancelled, so the
+            # platform always hears of the eviction.
+            self.evicted[victim] = f"evicted to load v{version_id}"
+            evicting = self._spawn(self.evict(self.versions.pop(victim), version_id))
+            problem = await asyncio.shield(evicting)
+            if problem is not None:
+                return problem
+        return None
+
+    def coldest_version(self) -> int | None:
+        """The least recently used loaded version with nothing queued or running that has been
+        idle for ``cold_after_s``; None if every version is busy or was used lately."""
+        now = time.monotonic()
+        cold = [
+            (loaded.usage.last_active, version_id)
+            for version_id, loaded in self.versions.items()
+            if not (loaded.in_flight or loaded.queue_depth)
+            and now - loaded.usage.last_active >= self.cold_after_s
+        ]
+        return min(cold)[1] if cold else None
+
+    async def evict(self, loaded: Loaded | LoadedTextGen, for_version: int) -> str | None:
+        """Unload a version to make room and check its memory came back. None when it did;
+        else why the version it made room for must not load."""
+        version_id, usage = loaded.spec.version_id, loaded.usage
+        # Settled first, so garbage of earlier work is not taken for the victim's memory.
+        before = await asyncio.to_thread(settled_reading)
+        await self._close(loaded)
+        del loaded  # the last reference: a textgen engine keeps its weights while it lives
+        freed = -(await asyncio.to_thread(settled_reading)).minus(before, usage.on_cuda)
+        expected = usage.releasable_bytes
+        released = released_enough(expected, freed)
+        if not released:
+            how = f"memory not released, {mib(expected)} expected"
+        elif expected >= MEASURABLE_BYTES:
+            how = f"measured, {mib(expected)} expected"
+        else:
+            how = f"not verified, {mib(expected)} expected is too little to tell"
+        detail = f"evicted to load v{for_version}: freed {mib(freed)} ({how})"
+        if version_id in self.evicted:  # unless an assign already left it out
+            self.evicted[version_id] = detail
+        await self.send_status(version_id, "evicted", detail=detail)
+        if released:
+            logger.info("version %d %s", version_id, detail)
+            return None
+        logger.warning("version %d %s; not loading v%d", version_id, detail, for_version)
+        return (
+            f"memory not released: evicting v{version_id} freed {mib(freed)} of the "
+            f"{mib(expected)} expected"
+        )
 
     async def _load_failed(self, version_id: int, detail: str) -> None:
-        # No await since the failing step: this task is still the one registered for the id.
+        # Still the task registered for the id: an unload or a reload cancels it at an await.
         self._loading.pop(version_id, None)
         logger.error("version %d failed to load: %s", version_id, detail)
         await self.send_status(version_id, "failed", detail=detail)
@@ -526,9 +801,20 @@ class Agent:
         loaded.runtime.close()
 
     async def send_status(
-        self, version_id: int, state: VersionState, detail: str = "", provider: str = ""
+        self,
+        version_id: int,
+        state: VersionState,
+        detail: str = "",
+        provider: str = "",
+        memory_bytes: int = 0,
     ) -> None:
-        status = VersionStatus(version_id=version_id, state=state, detail=detail, provider=provider)
+        status = VersionStatus(
+            version_id=version_id,
+            state=state,
+            detail=detail,
+            provider=provider,
+            memory_bytes=memory_bytes,
+        )
         await self.send(status.model_dump_json())
 
     async def shutdown(self) -> None:
@@ -539,7 +825,7 @@ class Agent:
             task.cancel()
         await asyncio.gather(*self._background, *self._requests, return_exceptions=True)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(coro)
         self._background.add(task)  # a reference, so the task is not garbage collected
         task.add_done_callback(self._background.discard)
@@ -578,6 +864,8 @@ class Agent:
             if not isinstance(loaded, LoadedTextGen):
                 raise BadInput(f"version {request.version_id} does not generate text")
             loaded.engine.submit(request, self.replier(), received)
+            loaded.usage.requests_total += 1  # the engine's streams count what is in flight
+            loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
             self._track(self.send_frame(error_frame(request.id, exc)))
 
@@ -598,6 +886,11 @@ class Agent:
         self, request: InferRequest, arrays: list[np.ndarray], received: float
     ) -> None:
         """Run one request and reply with its result or error frame."""
+        loaded = self.versions.get(request.version_id)
+        usage = loaded.usage if loaded is not None else None
+        del loaded  # an eviction must not find the version still referenced here
+        if usage is not None:
+            usage.started()
         self.stats.in_flight += 1
         try:
             try:
@@ -609,6 +902,8 @@ class Agent:
                 await self.reply(reply, received, ok=True)
         finally:
             self.stats.in_flight -= 1
+            if usage is not None:
+                usage.finished()
 
     async def reply(self, frame: bytes, received: float, ok: bool) -> None:
         await self.send_frame(frame)

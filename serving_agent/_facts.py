@@ -1,4 +1,5 @@
-"""Facts about this node that the agent reports in its Hello: CPUs, memory, GPUs, providers."""
+"""Facts about this node that the agent reports in its Hello: CPUs, memory, GPUs, providers,
+and the memory budget its loaded versions may fill."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import onnxruntime
 
 from .__version__ import __version__
+from ._memory import default_memory_budget
 from .protocol import Gpu, Hello
 
 logger = logging.getLogger(__name__)
@@ -66,13 +68,19 @@ def gpus() -> list[Gpu]:
     return parse_nvidia_smi(result.stdout)
 
 
-def node_facts(name: str | None = None) -> Hello:
-    """The Hello message describing this node."""
+def node_facts(
+    name: str | None = None, *, deployment: str | None = None, memory_budget_bytes: int = 0
+) -> Hello:
+    """The Hello message describing this node; a budget of 0 is replaced by the default for
+    this node (its GPU's memory, else a share of the memory available now)."""
+    node_gpus = gpus()
     return Hello(
         agent_version=__version__,
         host=name or socket.gethostname(),
         cpu_count=os.cpu_count() or 1,
         memory_bytes=memory_bytes(),
-        gpus=gpus(),
+        gpus=node_gpus,
         providers=onnxruntime.get_available_providers(),
+        deployment=deployment,
+        memory_budget_bytes=memory_budget_bytes or default_memory_budget(node_gpus),
     )
