@@ -127,7 +127,8 @@ def placed_versions(
 def ensure_pool_token(pool: Pool) -> Path:
     """The local backend's agents authenticate as the node ``pool-<name>``; only the hash is
     in the database, so the raw token lives in a file only this user can read."""
-    path = settings.LOCAL_AGENTS_DIR / "tokens" / f"{pool.name}.token"
+    # A dot folder: the local backend takes the other folders there for deployments.
+    path = settings.LOCAL_AGENTS_DIR / ".tokens" / f"{pool.name}.token"
     node = Node.objects.filter(name=f"pool-{pool.name}").first()
     if node is not None and path.exists():
         return path

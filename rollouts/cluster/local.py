@@ -210,7 +210,7 @@ class LocalBackend:
                 try:
                     if spec is not None:
                         report[name] = self._converge(name, int(spec["desired"]))
-                    elif entry.exists():  # an interrupted delete (not one finished meanwhile)
+                    elif any(entry.glob("replica-*.pid")):  # an interrupted delete
                         report[name] = Reconciled(stopped=self._remove_locked(name))
                 except ClusterError as exc:
                     report[name] = Reconciled(error=str(exc))
