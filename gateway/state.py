@@ -74,7 +74,8 @@ class GatewayState:
         self._reply_task: asyncio.Task | None = None
         self.agent_consumers: set = set()  # AgentConsumer instances held by this process
         self.cold_start_hold_s = cfg["COLD_START_HOLD_S"]
-        self._woken: dict[int, float] = {}  # version id -> when this process last woke it
+        # version id -> (when this process last woke it, the call saying if it is deployed)
+        self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
 
     # Cached lookups ----------------------------------------------------------------------------
     async def identify(self, raw_key: str) -> KeyIdentity | None:
@@ -151,16 +152,19 @@ class GatewayState:
             await asyncio.sleep(0.05)
 
     async def _wake(self, version_id: int) -> bool:
-        """Mark the version's deployment woken (at most every WAKE_EVERY_S); False when it
-        has none."""
+        """Mark the version's deployment woken, at most every WAKE_EVERY_S however many
+        requests wait (they share one call); False when it has none."""
         now = time.monotonic()
-        last = self._woken.get(version_id)
-        if last is not None and now - last < WAKE_EVERY_S:
-            return True
-        managed = await database_sync_to_async(fleet.wake)(version_id)
-        if managed:
-            self._remember(self._woken, version_id, now)
-        return managed
+        entry = self._woken.get(version_id)
+        if entry is None or now - entry[0] >= WAKE_EVERY_S:
+            call = asyncio.ensure_future(database_sync_to_async(fleet.wake)(version_id))
+            entry = (now, call)
+            self._remember(self._woken, version_id, entry)
+        try:
+            return await asyncio.shield(entry[1])
+        except Exception:  # the database is down: answer as for a version nobody serves
+            log.exception("could not wake the deployment of version %s", version_id)
+            return False
 
     @staticmethod
     def _remember(cache: dict, key: object, value: object) -> None:
