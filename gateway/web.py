@@ -17,11 +17,11 @@ from rollouts.audit import audit_events
 from rollouts.models import ApprovalRequest, AuditEvent, PlanMode, RequestState, RolloutPlan
 from tenants.models import Role
 
-from .web_data import dashboard_snapshot, plan_snapshot
+from .web_data import dashboard_snapshot, fleet_snapshot, plan_snapshot
 from .web_tenancy import SESSION_KEY, can_write, memberships_of, tenant_view
 
 AUDIT_PAGE_SIZE = 50
-LIST_PAGES = ("/", "/approvals/", "/audit/")
+LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/")
 
 
 def page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
@@ -99,6 +99,13 @@ def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
             "snapshot": plan_snapshot(plan),
         },
     )
+
+
+@tenant_view
+def fleet(request: HttpRequest) -> HttpResponse:
+    """Deployments with their replicas and the autoscaler's decisions, and the live agents.
+    The page's script fetches it again every few seconds and swaps the changed parts in."""
+    return page(request, "fleet.html", {"fleet": fleet_snapshot(_tenant_id(request))})
 
 
 @tenant_view

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.conf import settings
-from django.db.models import Q
 from django.utils import timezone
 
-from registry.models import Model, ModelVersion
+from registry.models import Model
 from registry.services import models_of
+from rollouts.deployments import deployments_of, replica_counts, tenant_agents
 from rollouts.metrics import plan_arm_metrics, plan_arms, timeseries, versions_summary
-from rollouts.models import ACTIVE_STATES, PlanMode, RolloutPlan
+from rollouts.models import ACTIVE_STATES, Deployment, PlanMode, RolloutPlan, ScalingDecision
 from rollouts.shadow import shadow_summary
-
-from .models import AgentSession
 
 
 def active_plans(tenant_id: int) -> dict[tuple[int, str], RolloutPlan]:
@@ -67,30 +64,21 @@ def model_row(model: Model, plans: dict[tuple[int, str], RolloutPlan]) -> dict:
 
 
 def agents_of(tenant_id: int) -> list[dict]:
-    """Live agents that may serve this tenant (its own nodes and shared ones), listing only this
-    tenant's versions among those they have ready."""
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
-    sessions = AgentSession.objects.select_related("node").filter(
-        Q(node__tenant_id=tenant_id) | Q(node__tenant__isnull=True),
-        disconnected_at__isnull=True,
-        last_heartbeat_at__gte=horizon,
-    )
-    labels = {
-        pk: f"{name} v{number}"
-        for pk, name, number in ModelVersion.objects.filter(model__tenant_id=tenant_id).values_list(
-            "pk", "model__name", "version"
-        )
-    }
+    """Live agents that serve this tenant (``rollouts.deployments.tenant_agents``: never another
+    tenant's replicas or versions), as the dashboard lists them."""
+    now = timezone.now()
     return [
         {
-            "node": s.node.name,
-            "ready": [labels[v] for v in s.ready_versions if v in labels],
-            "queue_depth": s.stats.get("queue_depth", 0),
-            "in_flight": s.stats.get("in_flight", 0),
-            "p99_ms": s.stats.get("p99_ms"),
-            "last_heartbeat_at": s.last_heartbeat_at.isoformat(),
+            "node": a["node"],
+            "ready": [
+                f"{v['model']} v{v['version']}" for v in a["serving"] if v["state"] == "ready"
+            ],
+            "queue_depth": a["queue_depth"],
+            "in_flight": a["in_flight"],
+            "p99_ms": a["p99_ms"],
+            "last_heartbeat_at": (now - timedelta(seconds=a["last_heartbeat_age_s"])).isoformat(),
         }
-        for s in sessions
+        for a in tenant_agents(tenant_id, now)
     ]
 
 
@@ -130,3 +118,72 @@ def plan_snapshot(plan: RolloutPlan) -> dict:
             for r in plan.requests.all()[:10]
         ],
     }
+
+
+# Fleet ---------------------------------------------------------------------------------------
+
+CHART_WINDOW = timedelta(minutes=30)  # at the 5 s control loop, 360 points per deployment
+RECENT_DECISIONS = 20
+
+
+def decision_row(decision: ScalingDecision) -> dict:
+    """A decision with the inputs a person reads first: the load it answered (queued, running
+    and held requests, as the autoscaler sums them), the p99 and the replicas it saw."""
+    inputs = decision.inputs or {}
+    load = sum(inputs.get(k) or 0 for k in ("queue_depth", "in_flight", "pending"))
+    return {
+        "at": decision.created_at,
+        "current": decision.current,
+        "desired": decision.desired,
+        "accepted": decision.accepted,
+        "dry_run": decision.dry_run,
+        "reason": decision.reason,
+        "error": decision.error,
+        "load": load,
+        "p99_ms": inputs.get("p99_ms"),
+        "pending": inputs.get("pending", 0),
+        "requests": inputs.get("requests", 0),
+        "actual": inputs.get("actual"),
+        "ready": inputs.get("ready"),
+    }
+
+
+def replica_series(deployment: Deployment, since) -> dict:
+    """Desired, accepted and live replicas per decision since ``since``, for the chart."""
+    rows = (
+        deployment.decisions.filter(created_at__gte=since)
+        .order_by("created_at", "pk")
+        .values_list("created_at", "desired", "accepted", "inputs__actual")
+    )
+    series: dict[str, list] = {"t": [], "desired": [], "accepted": [], "actual": []}
+    for at, desired, accepted, actual in rows:
+        series["t"].append(at.isoformat())
+        series["desired"].append(desired)
+        series["accepted"].append(accepted)
+        series["actual"].append(actual)
+    return series
+
+
+def fleet_snapshot(tenant_id: int) -> dict:
+    """The fleet page: each deployment's replicas (desired, live, ready), its recent decisions
+    and their chart, and the agents serving the tenant."""
+    now = timezone.now()
+    deployments = list(deployments_of(tenant_id))
+    counts = replica_counts(d.pk for d in deployments)
+    rows, charts = [], {}
+    for d in deployments:
+        recent = [
+            decision_row(x) for x in d.decisions.order_by("-created_at", "-pk")[:RECENT_DECISIONS]
+        ]
+        actual, ready = counts.get(d.pk, (0, 0))
+        rows.append(
+            {
+                "deployment": d,
+                "actual": actual,
+                "ready": ready,
+                "last": recent[0] if recent else None,
+                "decisions": recent,
+            }
+        )
+        charts[str(d.pk)] = replica_series(d, now - CHART_WINDOW)
+    return {"deployments": rows, "charts": charts, "agents": tenant_agents(tenant_id, now)}

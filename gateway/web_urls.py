@@ -15,6 +15,7 @@ urlpatterns = [
     path("models/<str:name>/", web.model_detail, name="model"),
     path("models/<str:name>/playground/", web.playground, name="playground"),
     path("rollouts/<int:plan_id>/", web.rollout_detail, name="rollout"),
+    path("fleet/", web.fleet, name="fleet"),
     path("approvals/", web.approvals, name="approvals"),
     path("approvals/<int:approval_id>/", web.approval_detail, name="approval"),
     path("audit/", web.audit, name="audit"),

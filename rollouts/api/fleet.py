@@ -1,0 +1,287 @@
+"""The fleet over the API: deployments (a version on a pool, scaled by the autoscaler), their
+scaling decisions, the pools, and the live agents that serve the caller's tenant. Serializers and
+thin views over ``rollouts.deployments``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from tenants.authentication import TenantRolePermission
+
+from ..deployments import (
+    IDENTITY,
+    READ_ONLY,
+    SETTINGS,
+    create_deployment,
+    delete_deployment,
+    deployments_of,
+    get_deployment,
+    pool_named,
+    replica_counts,
+    tenant_agents,
+    update_deployment,
+    version_of,
+)
+from ..models import Deployment, Pool, ScalingDecision
+from .views import actor_of
+
+# Serializers ---------------------------------------------------------------------------------
+
+CPU = re.compile(r"^\d+(\.\d+)?m?$")
+MEMORY = re.compile(r"^\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+MIG_PROFILE = re.compile(r"^[1-7]g\.\d+gb(\+me)?$")
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="version.model.name")
+    version = serializers.IntegerField(source="version.version")
+    pool = serializers.CharField(source="pool.name")
+    actual_replicas = serializers.SerializerMethodField(help_text="live replicas")
+    ready_replicas = serializers.SerializerMethodField(
+        help_text="live replicas with the version loaded and ready"
+    )
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "model",
+            "version",
+            "pool",
+            "cluster_name",
+            *SETTINGS,
+            "desired_replicas",
+            "actual_replicas",
+            "ready_replicas",
+            "woken_at",
+            "last_active_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+        extra_kwargs = {
+            "desired_replicas": {
+                "help_text": "what the cluster accepted at the autoscaler's last scale"
+            }
+        }
+
+    def _counts(self, deployment: Deployment) -> tuple[int, int]:
+        # Counted once per response by deployment_data, not once per row.
+        return self.context.get("replicas", {}).get(deployment.pk, (0, 0))
+
+    def get_actual_replicas(self, deployment: Deployment) -> int:
+        return self._counts(deployment)[0]
+
+    def get_ready_replicas(self, deployment: Deployment) -> int:
+        return self._counts(deployment)[1]
+
+
+def deployment_data(deployments: list[Deployment]) -> list[dict[str, Any]]:
+    counts = replica_counts(d.pk for d in deployments)
+    return DeploymentSerializer(deployments, many=True, context={"replicas": counts}).data
+
+
+class DeploymentInputSerializer(serializers.ModelSerializer):
+    """A deployment to create (model, version and pool required) or the settings to change."""
+
+    model = serializers.CharField(max_length=100, help_text="the model's name")
+    version = serializers.IntegerField(min_value=1, help_text="the version number")
+    pool = serializers.CharField(max_length=63, help_text="the pool's name (GET /pools)")
+
+    class Meta:
+        model = Deployment
+        fields = [*IDENTITY, *SETTINGS]
+        # One deployment per version and pool is create_deployment's check: a 409 naming both.
+        validators: list = []
+        extra_kwargs = {
+            "cpu": {"help_text": 'Kubernetes CPU quantity, e.g. "1" or "500m"'},
+            "memory": {"help_text": 'Kubernetes memory quantity, e.g. "2Gi"'},
+            "mig_profile": {"help_text": 'e.g. "1g.10gb": replicas ask for MIG slices'},
+        }
+
+    def validate_cpu(self, value: str) -> str:
+        if not CPU.match(value):
+            raise serializers.ValidationError('must be a CPU quantity such as "1", "0.5", "500m"')
+        return value
+
+    def validate_memory(self, value: str) -> str:
+        if not MEMORY.match(value):
+            raise serializers.ValidationError('must be a memory quantity such as "512Mi", "2Gi"')
+        return value
+
+    def validate_mig_profile(self, value: str) -> str:
+        if value and not MIG_PROFILE.match(value):
+            raise serializers.ValidationError('must be a MIG profile such as "1g.10gb", "3g.40gb"')
+        return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # A misspelt or read-only field would otherwise be dropped without a word.
+        refused = {k: READ_ONLY.get(k, "unknown field") for k in self.initial_data}
+        refused = {k: v for k, v in refused.items() if k not in self.fields}
+        if self.partial:
+            refused |= {
+                k: "cannot change: create a deployment of the other version or pool instead"
+                for k in IDENTITY
+                if k in self.initial_data
+            }
+        if refused:
+            raise serializers.ValidationError(refused)
+        return attrs
+
+
+class DecisionSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ScalingDecision
+        fields = [
+            "id",
+            "created_at",
+            "current",
+            "desired",
+            "accepted",
+            "dry_run",
+            "reason",
+            "inputs",
+            "error",
+        ]
+        read_only_fields = fields
+        extra_kwargs = {
+            "accepted": {"help_text": "replicas the cluster accepted; null: refused or dry run"},
+            "inputs": {"help_text": "the signals the decision saw (load, p99, replicas, …)"},
+        }
+
+
+class DecisionFilter(serializers.Serializer):
+    limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Pool
+        fields = ["name", "backend", "namespace", "description"]
+        read_only_fields = fields
+
+
+class ServedVersionSerializer(serializers.Serializer):
+    model = serializers.CharField()
+    version = serializers.IntegerField()
+    state = serializers.CharField(help_text="loading, ready, failed or evicted")
+
+
+class GpuUseSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    utilization_pct = serializers.FloatField()
+    memory_used_bytes = serializers.IntegerField()
+    memory_total_bytes = serializers.IntegerField()
+
+
+class AgentSerializer(serializers.Serializer):
+    node = serializers.CharField()
+    kind = serializers.ChoiceField(
+        choices=["replica", "node"], help_text="a deployment's replica, or a node run by hand"
+    )
+    shared = serializers.BooleanField(help_text="a node run by hand that serves every tenant")
+    deployment = serializers.CharField(allow_null=True, help_text="the replica's cluster name")
+    health = serializers.ChoiceField(choices=["healthy", "stale"])
+    last_heartbeat_age_s = serializers.FloatField()
+    serving = ServedVersionSerializer(many=True, help_text="this tenant's versions only")
+    queue_depth = serializers.IntegerField()
+    in_flight = serializers.IntegerField()
+    p99_ms = serializers.FloatField(allow_null=True)
+    memory_used_bytes = serializers.IntegerField()
+    memory_budget_bytes = serializers.IntegerField()
+    gpus = GpuUseSerializer(many=True)
+
+
+# Views ---------------------------------------------------------------------------------------
+
+
+class DeploymentListView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=DeploymentSerializer(many=True))
+    def get(self, request):
+        return Response(deployment_data(list(deployments_of(request.caller.tenant_id))))
+
+    @extend_schema(
+        request=DeploymentInputSerializer,
+        responses={201: DeploymentSerializer},
+        description="Deploy a version on a pool. 409 when it already has a deployment there.",
+    )
+    def post(self, request):
+        body = DeploymentInputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        values = dict(body.validated_data)
+        version = version_of(request.caller.tenant_id, values.pop("model"), values.pop("version"))
+        pool = pool_named(values.pop("pool"))
+        deployment = create_deployment(version, pool, values, actor_of(request))
+        return Response(deployment_data([deployment])[0], status=status.HTTP_201_CREATED)
+
+
+class DeploymentDetailView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=DeploymentSerializer)
+    def get(self, request, deployment_id: int):
+        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        return Response(deployment_data([deployment])[0])
+
+    @extend_schema(request=DeploymentInputSerializer, responses=DeploymentSerializer)
+    def patch(self, request, deployment_id: int):
+        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        body = DeploymentInputSerializer(data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        updated = update_deployment(deployment, dict(body.validated_data), actor_of(request))
+        return Response(deployment_data([updated])[0])
+
+    @extend_schema(
+        responses={204: None},
+        description="409 while replicas run: set min_replicas to 0 and wait for scale to zero.",
+    )
+    def delete(self, request, deployment_id: int):
+        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        delete_deployment(deployment, actor_of(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class DecisionListView(APIView):
+    """The autoscaler's decisions for one deployment, latest first, with what each saw."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[DecisionFilter], responses=DecisionSerializer(many=True))
+    def get(self, request, deployment_id: int):
+        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        where = DecisionFilter(data=request.query_params)
+        where.is_valid(raise_exception=True)
+        rows = deployment.decisions.order_by("-created_at", "-pk")[: where.validated_data["limit"]]
+        return Response(DecisionSerializer(rows, many=True).data)
+
+
+class PoolListView(APIView):
+    """Pools are the platform's: every tenant sees them all and deploys onto them by name."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=PoolSerializer(many=True))
+    def get(self, request):
+        return Response(PoolSerializer(Pool.objects.order_by("name"), many=True).data)
+
+
+class AgentListView(APIView):
+    """Live agents serving the caller's tenant (see ``tenant_agents``)."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=AgentSerializer(many=True))
+    def get(self, request):
+        agents = tenant_agents(request.caller.tenant_id)
+        return Response(AgentSerializer(agents, many=True).data)
