@@ -146,7 +146,7 @@ def main() -> None:
         for name, size, cold, warm, scale, connect, answer in rows:
             med = statistics.median
             print(
-                f"| {name} | {size / 1024:,.0f} KiB | {med(cold):.2f} | {max(cold):.2f} "
+                f"| {name} | {size / 1024:,.1f} KiB | {med(cold):.2f} | {max(cold):.2f} "
                 f"| {med(scale):.2f} | {med(connect):.2f} | {med(answer):.2f} "
                 f"| {med(warm) * 1000:.1f} |"
             )
