@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from .autoscale import Decision, ScalingPolicy
-from .cluster import ClusterBackend, ClusterError
+from .cluster import ClusterBackend, ClusterError, NotFound
 from .models import Deployment, ScalingDecision
 
 
@@ -42,6 +42,12 @@ def apply_decision(
     try:
         result = backend.scale(deployment.cluster_name, decision.desired, dry_run=dry_run)
         accepted = result.accepted
+    except NotFound as exc:
+        # The agent template is gone from the cluster (deleted by hand, a wiped state folder):
+        # forget that it was applied, so the next pass applies it again.
+        error = str(exc)[:300]
+        Deployment.objects.filter(pk=deployment.pk).update(applied_template="")
+        deployment.applied_template = ""
     except ClusterError as exc:
         error = str(exc)[:300]
     with transaction.atomic():

@@ -27,4 +27,6 @@ cat <<MSG
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
 
 MSG
-exec .venv/bin/honcho -f Procfile start
+# Agent replicas the autoscaler started run in their own sessions: stop them when we stop.
+trap '$PY manage.py stop_local_agents' EXIT
+.venv/bin/honcho -f Procfile start

@@ -289,3 +289,20 @@ def test_a_local_pool_gets_a_node_token_file_only_this_user_reads(db, settings, 
     path.unlink()  # lost: a new token replaces the old one
     fleet.ensure_pool_token(pool)
     assert authenticate_node(path.read_text()) == node
+
+
+def test_a_template_gone_from_the_cluster_is_applied_again(deployed, backend, kube):
+    _, _, deployment = deployed
+    Deployment.objects.filter(pk=deployment.pk).update(woken_at=timezone.now())
+    deployment.refresh_from_db()
+    assert fleet.autoscale_deployment(deployment, backend).accepted == 1
+    del kube.deployments[(NS, deployment.cluster_name)]  # deleted by hand
+    node, _ = create_node("pool-g")
+    beat(make_session(node, deployment.cluster_name), 12, 0, 30)
+    deployment.refresh_from_db()
+    lost = fleet.autoscale_deployment(deployment, backend)
+    assert lost.accepted is None and "does not exist" in lost.error
+    deployment.refresh_from_db()
+    assert deployment.applied_template == ""
+    again = fleet.autoscale_deployment(deployment, backend)
+    assert again.accepted == again.desired and kube.replicas(deployment.cluster_name, NS) >= 1

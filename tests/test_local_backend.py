@@ -346,3 +346,18 @@ def test_reconcile_finishes_a_delete_that_was_interrupted(backend: LocalBackend)
     assert report[NAME].stopped == [0]
     assert not is_agent(pid or 0)
     assert not (backend.state_dir / NAME).exists()
+
+
+def test_stop_all_stops_the_processes_and_keeps_the_specs(
+    backend: LocalBackend, state_dir: Path, token_file: Path
+) -> None:
+    backend.apply(make_template())
+    backend.scale(NAME, 2)
+    # Another process (the `make up` exit trap) stops them.
+    other = LocalBackend(state_dir, PLATFORM, token_file)
+    assert other.stop_all() == [NAME]
+    assert all(pid is None for pid in pids(backend).values())
+    assert backend.replicas(NAME) == (2, 0)
+    # The next control-loop pass starts them again.
+    backend.reconcile_all()
+    assert backend.replicas(NAME) == (2, 2)

@@ -217,6 +217,20 @@ class LocalBackend:
                     logger.warning("reconcile of %s failed: %s", name, exc)
         return report
 
+    def stop_all(self) -> list[str]:
+        """Stop every replica's process but keep the specs, as when the machine shuts down:
+        the next ``reconcile_all`` starts them again at their desired counts. Returns the
+        names of the deployments whose replicas were stopped."""
+        stopped = []
+        if not self.state_dir.is_dir():
+            return stopped
+        for entry in sorted(self.state_dir.iterdir()):
+            if entry.is_dir() and DNS_LABEL.match(entry.name):
+                with self._locked(entry.name):
+                    if self._stop(entry.name, sorted(self._pid_indices(entry.name), reverse=True)):
+                        stopped.append(entry.name)
+        return stopped
+
     def describe(self, name: str) -> dict[str, Any]:
         """The spec and one entry per replica (pid, alive, started_at, log; ``wanted`` is
         False for one above the desired count, still being stopped) for the UI; raises

@@ -1,0 +1,16 @@
+"""Stop the agent replicas the local backend started (``make up`` runs this on exit)."""
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from rollouts.cluster.local import LocalBackend
+
+
+class Command(BaseCommand):
+    help = "Stop every local agent replica, keeping their specs: the autoscaler restarts them."
+
+    def handle(self, **options):
+        # No pool token is needed to stop processes; the path is never read here.
+        backend = LocalBackend(settings.LOCAL_AGENTS_DIR, settings.PLATFORM_URL, settings.VAR_DIR)
+        for name in backend.stop_all():
+            self.stdout.write(f"stopped the replicas of {name}")
