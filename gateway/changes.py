@@ -20,12 +20,14 @@ def read_generation() -> int:
 def watch_changes() -> None:
     """Connect the bump to every model whose rows the gateway caches."""
     from registry.models import Alias, Model, ModelVersion
-    from rollouts.models import PlanArm, RolloutPlan
+    from rollouts.models import Deployment, PlanArm, RolloutPlan
     from tenants.models import ApiKey, Quota, Tenant
 
     from .models import Node
 
-    for model in (ApiKey, Quota, Tenant, Model, ModelVersion, Alias, Node, RolloutPlan, PlanArm):
+    # Deployments change which agents serve a version (replicas, not hand-run nodes).
+    watched = (ApiKey, Quota, Tenant, Model, ModelVersion, Alias, Node, RolloutPlan, PlanArm)
+    for model in (*watched, Deployment):
         post_save.connect(bump_generation, sender=model, dispatch_uid=f"gen-save-{model.__name__}")
         post_delete.connect(
             bump_generation, sender=model, dispatch_uid=f"gen-delete-{model.__name__}"

@@ -306,3 +306,14 @@ def test_a_template_gone_from_the_cluster_is_applied_again(deployed, backend, ku
     assert deployment.applied_template == ""
     again = fleet.autoscale_deployment(deployment, backend)
     assert again.accepted == again.desired and kube.replicas(deployment.cluster_name, NS) >= 1
+
+
+def test_a_new_deployment_moves_the_config_generation(world, onnx_bytes):
+    from gateway.changes import read_generation
+
+    version = make_version(make_model(world.a, "gen"), onnx_bytes)
+    pool = Pool.objects.create(name="p", backend="local")
+    before = read_generation()
+    Deployment.objects.create(tenant=world.a, version=version, pool=pool)
+    # Gateways re-push assignments: hand-run nodes drop the now-deployed version.
+    assert read_generation() > before
