@@ -43,6 +43,41 @@ for name, role in {users!r}.items():
 """
 
 
+# A deployment of fraud v2 on a Kubernetes pool with half an hour of decisions: a burst scales
+# it from 1 to 4 replicas, then back down after the window (no control loop runs here).
+RECORDED_FLEET = """
+from datetime import timedelta
+from django.utils import timezone
+from registry.models import ModelVersion
+from rollouts.models import Deployment, Pool, ScalingDecision
+version = ModelVersion.objects.get(model__name="fraud", version=2)
+pool = Pool.objects.create(name="gpu-a100", backend="kubernetes", namespace="ml")
+d = Deployment.objects.create(
+    tenant=version.model.tenant, version=version, pool=pool, max_replicas=6, desired_replicas=1,
+    target_load_per_replica=8, slo_p99_ms=250, applied_template="recorded",
+)
+now = timezone.now()
+replicas = 1
+for minute, load in enumerate([3, 4, 6, 9, 22, 30, 28, 31, 26, 12, 7, 6, 5, 4, 4, 3, 3, 2]):
+    wanted = max(1, -(-load // 8))
+    reason = (f"up: load {load} at 8 per replica → {wanted}" if wanted > replicas
+              else f"hold: load {load} at 8 per replica → {wanted}")
+    if wanted < replicas and minute > 12:
+        reason = f"down: highest need over 120 s is {wanted}"
+    elif wanted < replicas:
+        wanted = replicas
+    inputs = {"queue_depth": load * 0.6, "in_flight": load * 0.4, "p99_ms": 40 + 8 * load,
+              "requests": load * 300, "pending": 0, "actual": replicas, "ready": replicas}
+    ScalingDecision.objects.create(
+        deployment=d, created_at=now - timedelta(minutes=18 - minute), current=replicas,
+        desired=wanted, accepted=wanted, reason=reason, inputs=inputs,
+    )
+    replicas = wanted
+Deployment.objects.filter(pk=d.pk).update(desired_replicas=replicas)
+print(d.pk)
+"""
+
+
 @pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
@@ -68,7 +103,7 @@ def platform(request, tmp_path):
             v2 = api.post("/api/v1/models/fraud/versions", files=files, data=data)
             assert v2.status_code == 201, v2.text
             wait_ready(api, "fraud", proc=procs[1])
-            yield url, api
+            yield url, api, backend
 
 
 def sign_in(browser, url: str, username: str):
@@ -102,7 +137,7 @@ def candidate_share(api: httpx.Client, n: int = 400) -> float:
 def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
     from playwright.sync_api import expect
 
-    url, api = platform
+    url, api, backend = platform
 
     # Sign-in page, then the engineer's dashboard.
     page = browser.new_context(base_url=url, viewport=VIEWPORT).new_page()
@@ -200,4 +235,14 @@ def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
     page.click("nav >> text=Audit")
     expect(page.locator("#audit")).to_contain_text("approval.approve")
     shot(page, "audit")
+
+    # The fleet page: a deployment's replicas over time from its recorded decisions, and the
+    # agents serving the tenant.
+    deployment_id = int(backend.shell(RECORDED_FLEET).strip().splitlines()[-1])
+    page.click("nav >> text=Fleet")
+    page.wait_for_url("**/fleet/")
+    expect(page.locator(f"#chart-{deployment_id} .main-svg").first).to_be_visible()
+    expect(page.locator("#fleet")).to_contain_text("up: load 22 at 8 per replica")
+    expect(page.locator("#agents")).to_contain_text("fraud v1")
+    shot(page, "fleet")
     page.context.close()
