@@ -1,8 +1,9 @@
 """The web UI in a real browser (headless Chromium driven by Playwright) against real processes:
 an engineer signs in, starts a canary, moves the slider and sees the split change on the page
 and in the routing of later requests; above the plan's bound the slider asks for approval; the
-engineer asks for a promotion but cannot approve it; an approver approves it from the inbox.
-Screenshots of the main pages are saved under docs/screenshots/."""
+engineer asks for a promotion but cannot approve it; an approver approves it from the inbox;
+the fleet page charts a deployment's recorded decisions. Screenshots of the main pages are saved
+under docs/screenshots/."""
 
 from __future__ import annotations
 
