@@ -76,7 +76,10 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     now = now or timezone.now()
     if plan.mode != PlanMode.CANARY or plan.state != PlanState.RUNNING:
         return Verdict("hold", "only running canary plans are evaluated")
-    base = arm_stats(plan.baseline_id, plan.step_started_at)
+    # At a 100 % step the baseline gets no traffic any more: judge the candidate's step against
+    # what the baseline served during the whole plan.
+    base_since = plan.step_started_at if plan.weight < 100 else plan.created_at
+    base = arm_stats(plan.baseline_id, base_since)
     cand = arm_stats(plan.candidate_id, plan.step_started_at)
     baked = (now - plan.step_started_at).total_seconds() >= plan.bake_seconds
     verdict = judge(plan.guardrails, base, cand, baked, next_weight(plan) is None)

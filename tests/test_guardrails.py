@@ -136,3 +136,18 @@ def test_healthy_candidate_advances_after_bake_then_is_promoted_once_approved(pl
     request.refresh_from_db()
     assert plan.state == PlanState.PROMOTED and request.state == "applied"
     assert plan.model.aliases.get(name="production").version_id == plan.candidate_id
+
+
+def test_at_100_percent_the_baseline_is_judged_on_the_whole_plan(plan):
+    # The baseline served during the earlier steps; at 100 % it gets nothing new.
+    sample(plan.baseline_id, 500)
+    before_step = TrafficSample.objects.get(version_id=plan.baseline_id).window_end
+    plan.weight = 100
+    plan.step_started_at = before_step + timedelta(microseconds=1)
+    plan.save()
+    sample(plan.candidate_id, 500)
+    TrafficSample.objects.filter(version_id=plan.candidate_id).update(
+        window_end=plan.step_started_at + timedelta(seconds=1)
+    )
+    verdict = evaluate(plan, now=plan.step_started_at + timedelta(seconds=61))
+    assert verdict.action == "hold" and "waiting for approval" in verdict.reason
