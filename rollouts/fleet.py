@@ -209,8 +209,11 @@ def gather_signal(
         before = previous.get(str(session.pk), 0)
         recent = total - before if total >= before else total
         served += recent
-        queue += stats.get("queue_depth", 0)
-        in_flight += stats.get("in_flight", 0)
+        waiting, running = stats.get("queue_depth", 0), stats.get("in_flight", 0)
+        queue += waiting
+        # The heartbeat's instant can miss the work of a fast model: the load averaged over the
+        # heartbeat interval counts it (whatever is not queued now counts as in flight).
+        in_flight += max(running, stats.get("load_avg", 0.0) - waiting)
         if recent:  # a replica's p99 window is stale once it stops serving
             p99 = max(p99, float(stats.get("p99_ms", 0.0)))
         held.append(

@@ -20,7 +20,7 @@ import random
 import struct
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -243,18 +243,32 @@ class LoadedTextGen:
 
 
 class Stats:
-    """Request counters and a window of recent latencies (frame received -> reply sent)."""
+    """Request counters, a window of recent latencies (frame received -> reply sent), and the
+    time requests spent in the agent since the last heartbeat."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.requests_total = 0
         self.errors_total = 0
         self.in_flight = 0
         self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._clock = clock
+        self._busy_s = 0.0
+        self._window_start = clock()
 
     def record(self, seconds: float, ok: bool) -> None:
         self.requests_total += 1
         self.errors_total += not ok
         self.latencies.append(seconds)
+        self._busy_s += seconds
+
+    def load_avg(self) -> float:
+        """Requests in the agent (queued or running) on average since the last call: by
+        Little's law, the time they spent here over the time that passed. A fast model's queue
+        is almost always empty at the instant a heartbeat looks; this is not."""
+        now = self._clock()
+        elapsed, busy = now - self._window_start, self._busy_s
+        self._window_start, self._busy_s = now, 0.0
+        return busy / elapsed if elapsed > 0 else 0.0
 
     def percentiles_ms(self) -> tuple[float, float]:
         if not self.latencies:
@@ -474,6 +488,7 @@ class Agent:
                 v.batcher.depth for v in self.versions.values() if isinstance(v, Loaded)
             ),
             in_flight=self.stats.in_flight,
+            load_avg=round(self.stats.load_avg(), 3),
             requests_total=self.stats.requests_total,
             errors_total=self.stats.errors_total,
             p50_ms=p50,

@@ -163,6 +163,9 @@ class Heartbeat(BaseModel):
     type: Literal["heartbeat"] = "heartbeat"
     queue_depth: int = 0
     in_flight: int = 0
+    # Requests queued or running on average since the previous heartbeat (Little's law): the
+    # autoscaler's load signal, which an instant's queue depth and in-flight count under-read.
+    load_avg: float = 0.0
     requests_total: int = 0
     errors_total: int = 0
     p50_ms: float = 0.0

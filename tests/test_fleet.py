@@ -317,3 +317,19 @@ def test_a_new_deployment_moves_the_config_generation(world, onnx_bytes):
     Deployment.objects.create(tenant=world.a, version=version, pool=pool)
     # Gateways re-push assignments: hand-run nodes drop the now-deployed version.
     assert read_generation() > before
+
+
+def test_the_load_averaged_over_the_heartbeat_counts_when_the_instant_misses_it(
+    deployed, backend
+):
+    _, _, deployment = deployed
+    Deployment.objects.filter(pk=deployment.pk).update(desired_replicas=1)
+    deployment.refresh_from_db()
+    node, _ = create_node("pool-fast")
+    session = make_session(node, deployment.cluster_name)
+    # A fast model: nothing queued or running at the heartbeat's instant, 10 on average.
+    stats = {"queue_depth": 0, "in_flight": 0, "load_avg": 10.0, "requests_total": 5000}
+    record_heartbeat(session.pk, node.pk, stats)
+    decision = fleet.autoscale_deployment(deployment, backend)
+    assert decision.inputs["in_flight"] == 10.0
+    assert decision.desired == 3  # 10 at 4 per replica

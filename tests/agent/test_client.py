@@ -346,3 +346,18 @@ async def test_stop_while_connecting_to_a_silent_host_returns_at_once(tmp_path: 
         await task
     server.close()
     agent.cache.close()
+
+
+def test_load_avg_is_the_time_requests_spent_over_the_time_that_passed():
+    from serving_agent._client import Stats
+
+    now = [100.0]
+    stats = Stats(clock=lambda: now[0])
+    # Over 2 s, 400 requests of 10 ms each: 2 requests in the agent on average, although a
+    # look at any instant may well find none.
+    for _ in range(400):
+        stats.record(0.010, ok=True)
+    now[0] += 2.0
+    assert stats.load_avg() == pytest.approx(2.0)
+    now[0] += 1.0  # a quiet second: the window starts afresh
+    assert stats.load_avg() == 0.0
