@@ -319,9 +319,7 @@ def test_a_new_deployment_moves_the_config_generation(world, onnx_bytes):
     assert read_generation() > before
 
 
-def test_the_load_averaged_over_the_heartbeat_counts_when_the_instant_misses_it(
-    deployed, backend
-):
+def test_the_load_averaged_over_the_heartbeat_counts_when_the_instant_misses_it(deployed, backend):
     _, _, deployment = deployed
     Deployment.objects.filter(pk=deployment.pk).update(desired_replicas=1)
     deployment.refresh_from_db()
