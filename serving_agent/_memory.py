@@ -160,7 +160,7 @@ def default_memory_budget(gpus: list[Gpu], available: int | None = None) -> int:
 def _nvml() -> Any | None:
     """pynvml, initialized; None when it is not installed or finds no driver (checked once)."""
     try:
-        import pynvml  # optional: GPU nodes may install nvidia-ml-py
+        import pynvml  # nvidia-ml-py, a dependency; kept optional for a trimmed agent image
     except ImportError:
         return None
     try:
