@@ -181,12 +181,7 @@ def close_session(session_id: int) -> None:
 
 def live_sessions() -> list[tuple[str, list[int]]]:
     """(channel name, ready version ids) of agent connections that are alive anywhere."""
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
-    return list(
-        AgentSession.objects.filter(
-            disconnected_at__isnull=True, last_heartbeat_at__gte=horizon
-        ).values_list("channel_name", "ready_versions")
-    )
+    return list(fleet.live_sessions().values_list("channel_name", "ready_versions"))
 
 
 def mark_stale_sessions() -> int:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import QuerySet, Sum
 from django.utils import timezone
 
 from gateway.models import AgentSession, Node
@@ -97,9 +97,8 @@ def placed_versions(
     ``scope_versions`` maps each node scope (a tenant id, None for all) to the undeployed
     versions served in it.
     """
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
-    live = Q(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon, deployment_name="")
-    sessions = AgentSession.objects.filter(live | Q(pk=session_id)).select_related("node")
+    by_hand = live_sessions().filter(deployment_name="")
+    sessions = (by_hand | AgentSession.objects.filter(pk=session_id)).select_related("node")
     measured = measured_needs()
     items: dict[int, Item] = {}
     for versions in scope_versions.values():
