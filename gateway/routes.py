@@ -28,6 +28,7 @@ class Route:
     tenant_id: int
     model_name: str
     version_id: int
+    model_id: int
     version: int
     task: str
     inputs: tuple[InputSpec, ...]
@@ -37,6 +38,9 @@ class Route:
     generates_text: bool = False
     max_input_tokens: int = 0
     max_output_tokens: int = 0
+    # Prediction logging: the share sampled, and {field: "redact" | "hash"} applied first.
+    log_sample_rate: float = 0.0
+    personal_fields: tuple[tuple[str, str], ...] = ()
 
     def input(self, name: str) -> InputSpec | None:
         for spec in self.inputs:
@@ -54,11 +58,16 @@ class RouteMissing(Exception):
 
 
 def route_of(version: ModelVersion) -> Route:
+    logging = {
+        "log_sample_rate": version.model.log_sample_rate,
+        "personal_fields": tuple(sorted(version.personal_fields.items())),
+    }
     if version.generates_text:
         return Route(
             tenant_id=version.model.tenant_id,
             model_name=version.model.name,
             version_id=version.pk,
+            model_id=version.model_id,
             version=version.version,
             task=version.model.task,
             inputs=(),
@@ -67,11 +76,13 @@ def route_of(version: ModelVersion) -> Route:
             generates_text=True,
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,
+            **logging,
         )
     return Route(
         tenant_id=version.model.tenant_id,
         model_name=version.model.name,
         version_id=version.pk,
+        model_id=version.model_id,
         version=version.version,
         task=version.model.task,
         inputs=tuple(
@@ -80,6 +91,7 @@ def route_of(version: ModelVersion) -> Route:
         ),
         outputs=tuple(version.outputs),
         feature_names=tuple(version.feature_names),
+        **logging,
     )
 
 

@@ -222,6 +222,9 @@ LOCAL_AGENTS_DIR = Path(env("SWITCHYARD_LOCAL_AGENTS_DIR", str(VAR_DIR / "agents
 # Scaling decisions are kept this long (the UI charts them; the stabilisation window reads them).
 SCALING_HISTORY_HOURS = float(env("SWITCHYARD_SCALING_HISTORY_HOURS", "24"))
 
+# Alert webhooks are retried after this many seconds, doubling each time (five retries).
+SWITCHYARD_WEBHOOK_BACKOFF_S = float(env("SWITCHYARD_WEBHOOK_BACKOFF_S", "2"))
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -27,6 +27,29 @@ class Model(models.Model):
     name = models.CharField(max_length=100, validators=[name_validator])
     task = models.CharField(max_length=20, choices=TaskKind.choices)
     description = models.TextField(blank=True)
+    # Observability: the share of predictions logged, how long logs are kept, the PSI past
+    # which a feature counts as drifted, the window the drift job compares, and the SLOs.
+    log_sample_rate = models.FloatField(
+        default=0.1, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)]
+    )
+    log_retention_days = models.PositiveIntegerField(
+        default=30, validators=[MinValueValidator(1), MaxValueValidator(3650)]
+    )
+    drift_threshold = models.FloatField(
+        default=0.2, validators=[MinValueValidator(0.001), MaxValueValidator(10.0)]
+    )
+    drift_window_minutes = models.PositiveIntegerField(
+        default=60, validators=[MinValueValidator(1), MaxValueValidator(60 * 24 * 30)]
+    )
+    slo_availability = models.FloatField(
+        default=0.999, validators=[MinValueValidator(0.5), MaxValueValidator(0.99999)]
+    )
+    slo_latency_ms = models.FloatField(
+        default=100.0, validators=[MinValueValidator(0.5), MaxValueValidator(60_000.0)]
+    )
+    slo_latency_target = models.FloatField(
+        default=0.99, validators=[MinValueValidator(0.5), MaxValueValidator(0.99999)]
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -103,6 +126,9 @@ class ModelVersion(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
     )
     offline_metrics = models.JSONField(default=dict, blank=True)
+    # Personal data in the signature: {input or feature name: "redact" | "hash"}. Applied before
+    # a prediction is logged. Mutable on purpose: marking a field later must stay possible.
+    personal_fields = models.JSONField(default=dict, blank=True)
     description = models.TextField(blank=True)
     max_batch_size = models.PositiveIntegerField(
         default=32, validators=[MinValueValidator(1), MaxValueValidator(4096)]

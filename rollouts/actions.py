@@ -13,9 +13,11 @@ from platform_site.errors import Conflict
 from registry.models import Model, ModelVersion
 from registry.services import set_alias
 
+from .alerts import raise_alert
 from .audit import Actor, audit
 from .models import (
     OPEN_REQUEST_STATES,
+    AlertKind,
     ApprovalRequest,
     PlanArm,
     PlanMode,
@@ -120,8 +122,19 @@ def kill(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
 
 
 def rollback(plan: RolloutPlan, actor: Actor, reason: str) -> RolloutPlan:
-    """A guardrail breach: the same as the kill switch, recorded as a rollback."""
-    return _end(plan, actor, reason, "plan.rollback")
+    """A guardrail breach: the same as the kill switch, recorded as a rollback, and alerted."""
+    ended = _end(plan, actor, reason, "plan.rollback")
+    raise_alert(
+        ended.model.tenant_id,
+        AlertKind.ROLLBACK,
+        f"rollback:{ended.pk}",
+        f"{ended.model.name}: rollout #{ended.pk} rolled back to v{ended.baseline.version}",
+        reason,
+        model_id=ended.model_id,
+        severity="critical",
+        details={"plan": ended.pk, "candidate": ended.candidate.version},
+    )
+    return ended
 
 
 def _end(plan: RolloutPlan, actor: Actor, reason: str, action: str) -> RolloutPlan:

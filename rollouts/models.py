@@ -347,3 +347,114 @@ class ScalingDecision(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment}: {self.current} → {self.desired} ({self.reason})"
+
+
+class ReferenceSample(models.Model):
+    """The distribution a version's drift is measured against: a sample uploaded with the
+    version, or a chosen past window of its logged predictions (copied here when chosen)."""
+
+    version = models.OneToOneField(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="reference"
+    )
+    source = models.CharField(max_length=10, choices=[("upload", "Upload"), ("window", "Window")])
+    # {feature: [values]} and one score per row, like PredictionLog.inputs / scores.
+    columns = models.JSONField()
+    scores = models.JSONField(default=list, blank=True)
+    rows = models.PositiveIntegerField()
+    window_start = models.DateTimeField(null=True, blank=True)
+    window_end = models.DateTimeField(null=True, blank=True)
+    uploaded_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"reference of v{self.version_id} ({self.source}, {self.rows} rows)"
+
+
+class DriftReport(models.Model):
+    """One run of the drift job on one version: each feature's and the scores' distance from
+    the reference, and data-quality counts, over one window of logged predictions."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey(
+        "registry.Model", on_delete=models.CASCADE, related_name="drift_reports"
+    )
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="drift_reports"
+    )
+    window_start = models.DateTimeField()
+    window_end = models.DateTimeField()
+    reference_source = models.CharField(max_length=10)
+    rows_current = models.PositiveIntegerField()
+    rows_reference = models.PositiveIntegerField()
+    threshold = models.FloatField()
+    # {feature: {"kind": "numeric"|"categorical", "psi", "ks", "ks_pvalue" | "distance",
+    #  "flagged", "edges" | "categories", "reference", "current" (histogram shares)}}
+    features = models.JSONField(default=dict)
+    score = models.JSONField(null=True, blank=True)  # the same shape, on the output scores
+    # {feature: {"nulls", "out_of_range", "schema"}} counted in the current window.
+    quality = models.JSONField(default=dict)
+    flagged = models.JSONField(default=list)  # feature names (and "score") past the threshold
+    max_psi = models.FloatField(default=0.0)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["version", "created_at"], name="drift_version_time")]
+
+    def __str__(self) -> str:
+        return f"drift v{self.version_id} @ {self.created_at:%Y-%m-%d %H:%M}: {self.flagged}"
+
+
+class AlertKind(models.TextChoices):
+    DRIFT = "drift", "Drift"
+    SLO_BURN = "slo_burn", "SLO burn"
+    ROLLBACK = "rollback", "Rollback"
+
+
+class Alert(models.Model):
+    """Something an operator should see: shown in the UI until resolved, and posted to the
+    tenant's webhook (Slack-compatible) with retries. ``key`` folds repeats of one condition
+    into one open alert."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="alerts")
+    model = models.ForeignKey(
+        "registry.Model", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    kind = models.CharField(max_length=10, choices=AlertKind.choices)
+    severity = models.CharField(
+        max_length=10, choices=[("warning", "Warning"), ("critical", "Critical")]
+    )
+    key = models.CharField(max_length=200)
+    title = models.CharField(max_length=200)
+    message = models.TextField()
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    webhook_state = models.CharField(
+        max_length=10,
+        default="none",
+        choices=[
+            ("none", "No webhook"),
+            ("pending", "Pending"),
+            ("sent", "Sent"),
+            ("failed", "Failed"),
+        ],
+    )
+    webhook_attempts = models.PositiveSmallIntegerField(default=0)
+    webhook_error = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "key"],
+                condition=Q(resolved_at__isnull=True),
+                name="one_open_alert_per_key",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.title}"

@@ -2,10 +2,13 @@
 
 import logging
 
+import httpx
 from celery import shared_task
+from django.conf import settings
 
 from platform_site.errors import Conflict
 
+from . import alerts
 from .fleet import autoscale_all
 from .guardrails import evaluate
 from .models import PlanMode, PlanState, RolloutPlan
@@ -34,3 +37,17 @@ def evaluate_rollouts() -> dict[int, str]:
 def autoscale(deployment_id: int | None = None) -> dict[int, str]:
     """One control-loop pass: every deployment (beat), or one a cold start just woke."""
     return autoscale_all(deployment_id)
+
+
+@shared_task(bind=True, max_retries=5)
+def deliver_alert(self, alert_id: int) -> None:
+    """Post an alert to its tenant's webhook, retrying with exponential backoff; after the
+    last try the alert is marked "failed" (it stays in the UI either way)."""
+    try:
+        alerts.deliver(alert_id)
+    except (httpx.HTTPError, alerts.WebhookFailed) as exc:
+        if self.request.retries >= self.max_retries:
+            alerts.give_up(alert_id, str(exc) or type(exc).__name__)
+            return
+        backoff = settings.SWITCHYARD_WEBHOOK_BACKOFF_S * 2**self.request.retries
+        raise self.retry(exc=exc, countdown=backoff) from None

@@ -10,6 +10,8 @@ class Tenant(models.Model):
 
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=50, unique=True)
+    # Alerts (drift, SLO burn, rollbacks) are also posted here as Slack-compatible JSON.
+    alert_webhook_url = models.URLField(max_length=500, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

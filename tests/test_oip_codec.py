@@ -13,6 +13,7 @@ ROUTE = Route(
     tenant_id=1,
     model_name="clf",
     version_id=9,
+    model_id=2,
     version=3,
     task="classifier",
     inputs=(InputSpec("x", "FP32", np.dtype("<f4"), (-1, 4)),),
