@@ -148,6 +148,18 @@ CELERY_BEAT_SCHEDULE = {
         "task": "rollouts.tasks.autoscale",
         "schedule": float(env("SWITCHYARD_AUTOSCALE_INTERVAL_S", "5")),
     },
+    "detect-drift": {
+        "task": "rollouts.tasks.detect_drift",
+        "schedule": float(env("SWITCHYARD_DRIFT_INTERVAL_S", "60")),
+    },
+    "evaluate-slos": {
+        "task": "rollouts.tasks.evaluate_slos",
+        "schedule": float(env("SWITCHYARD_SLO_INTERVAL_S", "60")),
+    },
+    "purge-prediction-logs": {
+        "task": "gateway.tasks.purge_prediction_logs",
+        "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
+    },
 }
 
 # Auth and i18n -----------------------------------------------------------------------------
@@ -210,6 +222,13 @@ SWITCHYARD = {
     # A request for an autoscaled version with no ready replica wakes its deployment and waits
     # this long for a replica to start and load; past it the client gets 503 + Retry-After.
     "COLD_START_HOLD_S": float(env("SWITCHYARD_COLD_START_HOLD_S", "30")),
+    # Prediction log: sampled records wait in a bounded buffer per process (past it they are
+    # dropped and counted) and are written in batches by a background thread.
+    "PREDLOG_BUFFER": int(env("SWITCHYARD_PREDLOG_BUFFER", "10000")),
+    "PREDLOG_BATCH": int(env("SWITCHYARD_PREDLOG_BATCH", "500")),
+    "PREDLOG_FLUSH_S": float(env("SWITCHYARD_PREDLOG_FLUSH_S", "1")),
+    # Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".
+    "LOG_HASH_KEY": env("SWITCHYARD_LOG_HASH_KEY", ""),
 }
 
 # Fleet -------------------------------------------------------------------------------------
