@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._exceptions import BadInput, NotLoaded, Overloaded
 from ._runtime import Runtime, check_output_rows
+from .protocol import BATCH_SIZE_BOUNDS
 
 logger = logging.getLogger(__name__)
 
 # Models faster than this at batch 1 run on the event loop: a hop to a worker thread and back
 # costs ~70-110 us, more than such a model's whole run.
 INLINE_BELOW_S = 0.0003
+
+
+@dataclass
+class BatchSizes:
+    """Rows per model run: counts per bucket of BATCH_SIZE_BOUNDS (the last is open-ended)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BOUNDS) + 1))
+    rows_total: int = 0
+
+    def add(self, rows: int) -> None:
+        self.counts[bisect.bisect_left(BATCH_SIZE_BOUNDS, rows)] += 1
+        self.rows_total += rows
+
 
 # Requests can be concatenated only when all their non-batch dims and dtypes agree.
 _Key = tuple[tuple[str, tuple[int, ...], str], ...]
@@ -29,6 +45,9 @@ class _Pending:
     rows: int
     key: _Key
     future: asyncio.Future[list[np.ndarray]]
+    queued: float = 0.0  # perf_counter() when it was queued
+    queue_s: float = 0.0  # set when its batch runs: waited, and the run's duration
+    compute_s: float = 0.0
 
 
 def request_rows(inputs: dict[str, np.ndarray]) -> int:
@@ -70,6 +89,7 @@ class Batcher:
         max_queue_delay_ms: float = 0.0,
         max_queue: int = 256,
         inline: bool = False,
+        batch_sizes: BatchSizes | None = None,
     ) -> None:
         self.runtime = runtime
         self.max_batch_size = max_batch_size
@@ -77,6 +97,9 @@ class Batcher:
         self.max_queue = max_queue
         self.inline = inline
         self.runs = 0
+        # Rows per run, counted per bucket of BATCH_SIZE_BOUNDS; agents pass one list shared by
+        # all their batchers, so the counts outlive an unloaded version.
+        self.batch_sizes = batch_sizes if batch_sizes is not None else BatchSizes()
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._running: list[_Pending] = []
@@ -92,6 +115,13 @@ class Batcher:
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Queue one request and wait for its outputs (rows of the batch it ran in)."""
+        outputs, _, _ = await self.infer_timed(inputs)
+        return outputs
+
+    async def infer_timed(
+        self, inputs: dict[str, np.ndarray]
+    ) -> tuple[list[np.ndarray], float, float]:
+        """``infer``, plus the seconds it waited for its batch and the seconds the run took."""
         if self._stopped:
             raise NotLoaded("version unloaded")
         if len(self._queue) >= self.max_queue:
@@ -99,11 +129,13 @@ class Batcher:
         rows = request_rows(inputs)
         key = tuple(sorted((n, a.shape[1:], a.dtype.str) for n, a in inputs.items()))
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(inputs, rows, key, future))
+        pending = _Pending(inputs, rows, key, future, time.perf_counter())
+        self._queue.append(pending)
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        return await future
+        outputs = await future
+        return outputs, pending.queue_s, pending.compute_s
 
     async def stop(self, reason: str = "version unloaded") -> None:
         """Stop batching; every request still waiting or running fails with ``not_loaded``."""
@@ -173,9 +205,11 @@ class Batcher:
         """Run one concatenated batch and split its outputs back; a failure fails every future."""
         rows = sum(p.rows for p in group)
         self._running = group
+        started = time.perf_counter()
         try:
             feed = concatenate(group)
             self.runs += 1
+            self.batch_sizes.add(rows)
             if self._executor is None:
                 outputs = self.runtime.run(feed)
             else:
@@ -191,8 +225,10 @@ class Batcher:
             return
         finally:
             self._running = []
+        ended = time.perf_counter()
         start = 0
         for p in group:
+            p.queue_s, p.compute_s = started - p.queued, ended - started
             if not p.future.done():
                 p.future.set_result([out[start : start + p.rows] for out in outputs])
             start += p.rows

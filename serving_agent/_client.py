@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from ._batcher import INLINE_BELOW_S, Batcher
+from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes
 from ._cache import ArtifactCache
 from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded
 from ._facts import node_facts
@@ -147,6 +147,7 @@ class Usage:
     last_used: float | None = None  # time.monotonic() of its latest request
     in_flight: int = 0
     requests_total: int = 0
+    load_s: float = 0.0  # download to ready, warm-up included
 
     @property
     def releasable_bytes(self) -> int:
@@ -313,6 +314,7 @@ class Agent:
         self.heartbeat_s = 5.0
         self.versions: dict[int, Loaded | LoadedTextGen] = {}
         self.stats = Stats()
+        self.batch_sizes = BatchSizes()  # shared by every version's batcher
         # Generation counters of unloaded versions, so the heartbeat's totals never go back.
         self._generation_retired = dict.fromkeys((*_GENERATION_TOTALS, "max_decode_batch"), 0)
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
@@ -500,6 +502,8 @@ class Agent:
             versions=[self.version_load(v) for _, v in sorted(self.versions.items())],
             evicted=sorted(self.evicted),
             gpus=gpu_use(),
+            batch_size_counts=self.batch_sizes.counts,
+            batch_rows_total=self.batch_sizes.rows_total,
         )
 
     def version_load(self, loaded: Loaded | LoadedTextGen) -> VersionLoad:
@@ -511,6 +515,7 @@ class Agent:
             in_flight=loaded.in_flight,
             requests_total=loaded.usage.requests_total,
             idle_s=None if last_used is None else time.monotonic() - last_used,
+            load_s=round(loaded.usage.load_s, 4),
         )
 
     def memory_used(self) -> int:
@@ -626,6 +631,7 @@ class Agent:
         """Download, verify, make room for, load and warm up one version, reporting each
         outcome."""
         version_id = spec.version_id
+        started = time.perf_counter()
         await self.send_status(version_id, "loading")
         try:
             url = self.platform + spec.artifact_url
@@ -646,8 +652,12 @@ class Agent:
                 await asyncio.to_thread(importlib.import_module, f"{__package__}._generate")
             before = await asyncio.to_thread(settled_load_reading)
             if spec.format == "textgen":
-                return await self.load_textgen(spec, path, before)
-            await self.load_onnx(spec, path, before)
+                await self.load_textgen(spec, path, before)
+            else:
+                await self.load_onnx(spec, path, before)
+            loaded = self.versions.get(version_id)
+            if loaded is not None:
+                loaded.usage.load_s = time.perf_counter() - started
 
     async def load_onnx(self, spec: VersionSpec, path: Path, before: Reading) -> None:
         """Load an ONNX artifact behind a batcher, warm it up, measure it, report."""
@@ -674,6 +684,7 @@ class Agent:
             max_queue_delay_ms=spec.max_queue_delay_ms,
             max_queue=spec.max_queue,
             inline=latency < INLINE_BELOW_S,
+            batch_sizes=self.batch_sizes,
         )
         self.versions[version_id] = Loaded(spec, runtime, batcher, usage)
         logger.info(
@@ -909,9 +920,11 @@ class Agent:
         self.stats.in_flight += 1
         try:
             try:
-                names, outputs = await self.infer(request, arrays)
-                reply = result_frame(request.id, names, outputs)
+                names, outputs, queue_s, compute_s = await self.infer(request, arrays)
+                reply = result_frame(request.id, names, outputs, queue_s, compute_s)
             except Exception as exc:  # noqa: BLE001 - every request id gets a reply
+                if request.trace:  # follow one request end to end: the platform's span
+                    logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
                 await self.reply(error_frame(request.id, exc), received, ok=False)
             else:
                 await self.reply(reply, received, ok=True)
@@ -926,8 +939,9 @@ class Agent:
 
     async def infer(
         self, request: InferRequest, arrays: list[np.ndarray]
-    ) -> tuple[list[str], list[np.ndarray]]:
-        """The requested outputs (names and arrays, in the model's order) for one request."""
+    ) -> tuple[list[str], list[np.ndarray], float, float]:
+        """The requested outputs (names and arrays, in the model's order) for one request, and
+        the seconds it waited for its batch and the seconds the batch's run took."""
         loaded = self.versions.get(request.version_id)
         if loaded is None:
             raise NotLoaded(f"version {request.version_id} is not ready on this agent")
@@ -942,14 +956,26 @@ class Agent:
         if unknown:
             raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
         check_inputs(loaded.spec.inputs, inputs)
-        outputs = await loaded.batcher.infer(inputs)
+        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(inputs)
         picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
-        return [n for n, _ in picked], [a for _, a in picked]
+        return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
 
 
-def result_frame(request_id: int, names: list[str], outputs: list[np.ndarray]) -> bytes:
+def result_frame(
+    request_id: int,
+    names: list[str],
+    outputs: list[np.ndarray],
+    queue_s: float = 0.0,
+    compute_s: float = 0.0,
+) -> bytes:
     tensors = [tensor_of(n, a) for n, a in zip(names, outputs, strict=True)]
-    return encode_frame(InferResult(id=request_id, outputs=tensors), outputs)
+    header = InferResult(
+        id=request_id,
+        outputs=tensors,
+        queue_ms=round(queue_s * 1000, 3),
+        compute_ms=round(compute_s * 1000, 3),
+    )
+    return encode_frame(header, outputs)
 
 
 def error_frame(request_id: int, exc: Exception) -> bytes:

@@ -150,6 +150,7 @@ class VersionLoad(BaseModel):
     in_flight: int = 0
     requests_total: int = 0
     idle_s: float | None = None  # since its last request (None: never used)
+    load_s: float = 0.0  # download to ready, warm-up included
 
 
 class GpuUse(BaseModel):
@@ -184,10 +185,18 @@ class Heartbeat(BaseModel):
     versions: list[VersionLoad] = Field(default_factory=list)
     evicted: list[int] = Field(default_factory=list)
     gpus: list[GpuUse] = Field(default_factory=list)
+    # Rows per model run since the agent started: counts per bucket of BATCH_SIZE_BOUNDS (the
+    # last bucket is open-ended), and their sum; the platform exports them as a histogram.
+    batch_size_counts: list[int] = Field(default_factory=list)
+    batch_rows_total: int = 0
 
 
 AgentMessage = Annotated[Hello | VersionStatus | Heartbeat, Field(discriminator="type")]
 agent_message = TypeAdapter(AgentMessage)
+
+
+# Upper bounds of the batch-size histogram buckets (rows per model run).
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 # Binary inference frames --------------------------------------------------------------------
@@ -206,11 +215,15 @@ class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     version_id: int
     inputs: list[FrameTensor]
     outputs: list[str] | None = None  # names the caller asked for; None means all
+    trace: str = ""  # the W3C traceparent of the platform's span, for the agent's logs
 
 
 class InferResult(msgspec.Struct, tag="result", tag_field="type"):
     id: int
     outputs: list[FrameTensor]
+    # Where the time went on the agent: waiting for a batch, and the model run it was in.
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 ErrorCode = Literal["overloaded", "not_loaded", "bad_input", "internal"]
@@ -237,6 +250,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     stop: list[str] = []
     seed: int | None = None
+    trace: str = ""  # the W3C traceparent of the platform's span, for the agent's logs
 
 
 class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):

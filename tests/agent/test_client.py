@@ -149,6 +149,31 @@ async def test_a_request_is_answered_with_its_result(
     assert heartbeat.p50_ms > 0 and heartbeat.in_flight == 0
 
 
+async def test_results_report_their_queue_wait_and_run_time_and_batch_sizes(
+    tmp_path: Path, make_spec: Callable[..., VersionSpec]
+) -> None:
+    agent, recorder = loaded_agent(tmp_path, make_spec())
+    agent.versions[1].batcher.batch_sizes = agent.batch_sizes
+    agent.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
+    header, _ = decode_frame((await recorder.frames(1))[0])
+    assert isinstance(header, InferResult)
+    assert header.queue_ms >= 0 and header.compute_ms > 0
+    heartbeat = agent.heartbeat()
+    assert heartbeat.batch_size_counts[2] == 1  # 3 rows: the (2, 4] bucket
+    assert heartbeat.batch_rows_total == 3
+
+
+async def test_a_failed_request_is_logged_with_the_platforms_trace(
+    tmp_path: Path, make_spec: Callable[..., VersionSpec], caplog: pytest.LogCaptureFixture
+) -> None:
+    agent, recorder = loaded_agent(tmp_path, make_spec())
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with caplog.at_level("INFO", logger="serving_agent"):
+        agent.handle_message(infer_message(9, np.zeros((1, 3), np.float32), trace=trace))
+        await recorder.frames(1)
+    assert any(trace in r.getMessage() and "request 9" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
