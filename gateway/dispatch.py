@@ -185,6 +185,7 @@ class AgentPool:
         arrays: list[np.ndarray],
         outputs: list[str] | None,
         timeout: float,
+        trace: str = "",
     ) -> Reply:
         """Send one request to an agent serving the version and wait for its reply."""
         request_id = next(self._ids)
@@ -194,6 +195,7 @@ class AgentPool:
                 version_id=version_id,
                 inputs=[tensor_of(n, a) for n, a in zip(names, arrays, strict=True)],
                 outputs=outputs,
+                trace=trace,
             ),
             arrays,
         )

@@ -19,6 +19,7 @@ from serving_agent.protocol import GenerateDone, GenerateRequest, TokenChunk
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
+from . import metrics, tracing
 from .dispatch import DispatchError, SlowClient, Stream
 from .pipeline import ApiError, Routed, resolve, route_request
 from .state import GatewayState, Progress
@@ -112,6 +113,7 @@ class Generation:
                 self.usage.output_tokens = frame.output_tokens
                 self.usage.total_ms = elapsed_ms
                 self._record(ok=True)
+                self._observe()
                 return
             if self.usage.ttft_ms is None:
                 self.usage.ttft_ms = elapsed_ms
@@ -134,6 +136,15 @@ class Generation:
         # Guardrails compare arms on time to first token: what a streaming client waits for.
         waited = self.usage.ttft_ms if self.usage.ttft_ms is not None else 0.0
         self.state.traffic.record(self.routed.route.version_id, waited / 1000, ok)
+
+    def _observe(self) -> None:
+        route = self.routed.route
+        labels = (self.identity.tenant_slug, route.model_name, str(route.version))
+        if self.usage.ttft_ms is not None:
+            metrics.TTFT.labels(*labels).observe(self.usage.ttft_ms / 1000)
+        if self.usage.output_tokens > 1:
+            metrics.TOKEN_RATE.labels(*labels).observe(self.usage.tokens_per_second)
+        metrics.TOKENS.labels(*labels).inc(self.usage.output_tokens)
 
 
 def _retry(exc: DispatchError) -> list[tuple[str, str]]:
@@ -192,6 +203,7 @@ async def start_generation(
         top_p=params.top_p,
         stop=params.stop,
         seed=params.seed,
+        trace=(tracing.current.get() or tracing.start_trace(None, None)).traceparent,
     )
     try:
         stream = await state.pool.open_stream(request)

@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from . import pipeline
+from . import pipeline, tracing
 from .dispatch import in_background
+from .metrics import Observed
 from .oip_codec import parse_infer, render_infer
 from .pipeline import ApiError
 from .state import GatewayState, get_state
@@ -32,20 +33,31 @@ SERVER_METADATA = orjson.dumps(
 async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
     state = get_state()
     after = []  # work that runs once the reply is sent (shadow copies)
+    observed = None
     try:
-        status, body, headers = await _handle(state, scope, receive, after)
-    except ApiError as exc:
-        status, body, headers = exc.status, _error(exc.message), exc.headers
-    except Exception:
-        log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-        status, body, headers = 500, _error("internal server error"), []
-    await _respond(send, status, body, headers)
+        trace = tracing.start_trace(_header(scope, b"x-request-id"), _header(scope, b"traceparent"))
+    except tracing.BadRequestId as exc:
+        trace = tracing.start_trace(None, None)
+        status, body, headers = 400, _error(str(exc)), []
+    else:
+        tracing.current.set(trace)  # this request's task only: its log records carry the ids
+        observed = Observed(trace)
+        try:
+            status, body, headers = await _handle(state, scope, receive, after, observed)
+        except ApiError as exc:
+            status, body, headers = exc.status, _error(exc.message), exc.headers
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            status, body, headers = 500, _error("internal server error"), []
+    await _respond(send, status, body, [*headers, *trace.headers()])
+    if observed is not None and observed.predicting:
+        state.observe(observed, status)
     for coro in after:
         in_background(coro)
 
 
 async def _handle(
-    state: GatewayState, scope: Scope, receive: Receive, after: list
+    state: GatewayState, scope: Scope, receive: Receive, after: list, observed: Observed
 ) -> tuple[int, bytes, list[tuple[str, str]]]:
     method = scope["method"]
     parts = scope["path"].rstrip("/").split("/")[1:]  # "/v2/models/x/infer" -> [v2, models, ..]
@@ -68,7 +80,8 @@ async def _handle(
     authorization = _header(scope, b"authorization")
     if rest == ["infer"]:
         _allow(method, "POST")
-        return await _infer(state, scope, receive, authorization, name, version, after)
+        observed.predicting = True  # counted (and maybe logged) whatever happens from here
+        return await _infer(state, scope, receive, authorization, name, version, after, observed)
     if rest == []:
         _allow(method, "GET")
         _, route = await pipeline.admit(state, authorization, name, version)
@@ -81,11 +94,12 @@ async def _handle(
     raise ApiError(404, f"no such endpoint: {scope['path']}")
 
 
-async def _infer(state, scope, receive, authorization, name, version, after):
-    identity, route = await pipeline.admit(state, authorization, name, version)
+async def _infer(state, scope, receive, authorization, name, version, after, observed):
+    identity, route = await pipeline.admit(state, authorization, name, version, observed)
     body = await _read_body(scope, receive, state.max_body)
     header_length = _header(scope, b"inference-header-content-length")
     parsed = parse_infer(body, header_length, route)
+    observed.mark("serialization")
     routed = await pipeline.route_request(
         state,
         identity,
@@ -94,12 +108,15 @@ async def _infer(state, scope, receive, authorization, name, version, after):
         lambda h: _header(scope, h.encode()),
         parsed.id,
     )
+    observed.arm = routed.arm
+    observed.mark("routing")
     outputs = await pipeline.run_inference(
-        state, routed.route, parsed.names, parsed.arrays, parsed.outputs
+        state, routed.route, parsed.names, parsed.arrays, parsed.outputs, observed
     )
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
     )
+    observed.mark("serialization")
     if routed.shadow_version_id is not None:
         after.append(
             pipeline.shadow_copy(state, identity, routed, parsed.names, parsed.arrays, outputs)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.services import models_of
 
+from . import tracing
 from .generation import GenerateParams, Generation, StopString, start_generation
 from .pipeline import ApiError, authenticate
 from .state import get_state
@@ -112,6 +113,23 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 
 async def _serve(request: HttpRequest, chat: bool) -> HttpResponse:
+    try:
+        trace = tracing.start_trace(
+            request.headers.get("X-Request-Id"), request.headers.get("traceparent")
+        )
+    except tracing.BadRequestId as exc:
+        return openai_error(400, str(exc))
+    token = tracing.current.set(trace)  # the agent's generate frame carries it
+    try:
+        response = await _answer(request, chat)
+    finally:
+        tracing.current.reset(token)
+    for header, value in trace.headers():
+        response[header] = value
+    return response
+
+
+async def _answer(request: HttpRequest, chat: bool) -> HttpResponse:
     if request.method != "POST":
         return openai_error(405, "use POST")
     state = get_state()

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from platform_site.tokens import bearer
-from serving_agent.protocol import InferError
+from serving_agent.protocol import InferError, InferResult
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
 from .dispatch import DispatchError
+from .metrics import Observed
 from .routes import InputSpec, Route, RouteMissing
 from .state import GatewayState
 
@@ -74,12 +75,25 @@ async def resolve(
 
 
 async def admit(
-    state: GatewayState, authorization: str | None, model_name: str, version: str | None
+    state: GatewayState,
+    authorization: str | None,
+    model_name: str,
+    version: str | None,
+    observed: Observed | None = None,
 ) -> tuple[KeyIdentity, Route]:
     """Authenticate, rate-limit and resolve: every request goes through this first."""
     identity = await authenticate(state, authorization)
+    if observed is not None:
+        observed.tenant = identity.tenant_slug
+        observed.mark("auth")
     await rate_limit(state, identity)
-    return identity, await resolve(state, identity, model_name, version)
+    if observed is not None:
+        observed.mark("rate_limit")
+    route = await resolve(state, identity, model_name, version)
+    if observed is not None:
+        observed.route = route
+        observed.mark("routing")
+    return identity, route
 
 
 def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
@@ -118,29 +132,47 @@ async def run_inference(
     names: list[str],
     arrays: list[np.ndarray],
     outputs: list[str] | None = None,
+    observed: Observed | None = None,
 ) -> list[tuple[str, np.ndarray]]:
     """Dispatch to an agent and return (name, array) per output, in the agent's order.
 
     Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
     """
     started = time.perf_counter()
+    if observed is not None:
+        observed.route = route
+        observed.names, observed.arrays = names, arrays
     try:
         await state.ready(route.version_id)  # holds a cold start; at once when warm
         reply, result = await state.pool.infer(
-            route.version_id, names, arrays, outputs, state.infer_timeout
+            route.version_id,
+            names,
+            arrays,
+            outputs,
+            state.infer_timeout,
+            observed.trace.traceparent if observed is not None else "",
         )
     except DispatchError as exc:
+        if observed is not None:
+            observed.mark("dispatch")
         state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
         retry = [("Retry-After", str(exc.retry_after))] if exc.retry_after else []
         raise ApiError(exc.status, exc.message, retry) from None
     ok = not isinstance(reply, InferError) or reply.code == "bad_input"
     state.traffic.record(route.version_id, time.perf_counter() - started, ok)
+    if observed is not None:
+        observed.mark("dispatch")
+        if isinstance(reply, InferResult):
+            observed.agent_times(reply.queue_ms, reply.compute_ms)
     if isinstance(reply, InferError):
         status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(reply.code, 500)
         retry = [("Retry-After", "1")] if status == 503 else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
-    return [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
+    answer = [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
+    if observed is not None:
+        observed.outputs = answer
+    return answer
 
 
 @dataclass

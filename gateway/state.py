@@ -29,6 +29,8 @@ from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 from . import nodes
 from .changes import read_generation
 from .dispatch import AgentPool, DispatchError
+from .metrics import Observed, RequestMetrics
+from .predlog import PredictionLogger
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
 from .stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 from .traffic import TrafficCounter, save_samples
@@ -61,6 +63,9 @@ class GatewayState:
         self._splits: dict[tuple[int, str], Split | None] = {}
         self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
+        self.metrics = RequestMetrics()  # folded into prometheus-client by the refresh loop
+        self.count_metrics = cfg["REQUEST_METRICS"]
+        self.predlog = PredictionLogger()
         # Text generation: each tenant's concurrent streams and tokens per minute.
         self.streams: StreamBudget = (
             RedisStreamBudget(settings.REDIS_URL) if settings.REDIS_URL else LocalStreamBudget()
@@ -178,6 +183,26 @@ class GatewayState:
         self._splits.clear()
         self._by_id.clear()
 
+    def observe(self, observed: Observed, status: int) -> None:
+        """A prediction was answered: count it, and offer it to the prediction log (which
+        samples it, and never blocks)."""
+        seconds = time.perf_counter() - observed.started
+        if self.count_metrics:
+            self.metrics.record(observed, status, seconds)
+        route = observed.route
+        if route is not None and observed.arrays is not None and route.log_sample_rate > 0:
+            self.predlog.offer(
+                route,
+                arm=observed.arm,
+                request_id=observed.trace.request_id,
+                trace_id=observed.trace.trace_id,
+                names=observed.names,
+                arrays=observed.arrays,
+                outputs=observed.outputs,
+                latency_s=seconds,
+                status=status,
+            )
+
     # Background refresh ------------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
@@ -192,6 +217,7 @@ class GatewayState:
             await asyncio.sleep(self._interval)
 
     async def refresh_once(self) -> None:
+        self.metrics.fold()
         generation = await database_sync_to_async(read_generation)()
         if generation != self._generation:
             first = self._generation is None
@@ -259,3 +285,8 @@ def get_state() -> GatewayState:
         # (~70 ms) under load.
         gc.freeze()
     return state
+
+
+def all_states() -> list[GatewayState]:
+    """Every event loop's gateway state in this process (shutdown flushes their logs)."""
+    return list(_states.values())

@@ -3,6 +3,7 @@
 Run it under uvicorn (the measured default) or daphne.
 """
 
+import asyncio
 import os
 
 from django.core.asgi import get_asgi_application
@@ -14,8 +15,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from gateway.metrics import metrics_app  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
+from gateway.state import all_states  # noqa: E402
 
 # Static files (the admin's CSS and JS) are served by Django's own ASGI static handler on their
 # own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware
@@ -28,6 +31,8 @@ async def http_app(scope, receive, send):
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/"):
         await oip_app(scope, receive, send)
+    elif path == "/metrics":
+        await metrics_app(scope, receive, send)
     elif path.startswith(STATIC_PREFIX):
         await static_app(scope, receive, send)
     else:
@@ -41,8 +46,15 @@ async def lifespan_app(scope, receive, send):
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            await flush_prediction_logs()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def flush_prediction_logs(timeout_s: float = 5.0) -> None:
+    """Write what the prediction log still buffers before the process exits."""
+    for state in all_states():
+        await asyncio.to_thread(state.predlog.flush, timeout_s)
 
 
 application = ProtocolTypeRouter(

@@ -20,8 +20,9 @@ from rest_framework.views import APIView
 from platform_site.tokens import bearer
 from registry.models import ModelVersion
 
-from .. import nodes, pipeline
+from .. import nodes, pipeline, tracing
 from ..dispatch import in_background
+from ..metrics import Observed
 from ..pipeline import ApiError
 from ..predict_codec import arrays_from_predict_body
 from ..state import get_state
@@ -88,21 +89,46 @@ class PredictView(AsyncPipelineView):
     async def post(self, request, name: str, version: int | None = None):
         state = get_state()
         try:
+            trace = tracing.start_trace(
+                request.headers.get("x-request-id"), request.headers.get("traceparent")
+            )
+        except tracing.BadRequestId as exc:
+            return Response({"error": str(exc)}, status=400)
+        token = tracing.current.set(trace)
+        observed = Observed(trace)
+        observed.predicting = True
+        try:
+            response = await self.predict(state, request, name, version, observed)
+        finally:
+            tracing.current.reset(token)  # sync callers (tests) would otherwise inherit it
+        for header, value in trace.headers():
+            response[header] = value
+        state.observe(observed, response.status_code)
+        return response
+
+    async def predict(self, state, request, name: str, version: int | None, observed: Observed):
+        try:
             identity, route = await pipeline.admit(
                 state,
                 request.META.get("HTTP_AUTHORIZATION"),
                 name,
                 None if version is None else str(version),
+                observed,
             )
             try:
                 data = request.data  # the body is already in memory: parsing does no I/O
             except RequestDataTooBig:
                 raise ApiError(413, "request body is larger than the limit") from None
             names, arrays, outputs = arrays_from_predict_body(data, route)
+            observed.mark("serialization")
             routed = await pipeline.route_request(
                 state, identity, route, version is not None, request.headers.get, None
             )
-            result = await pipeline.run_inference(state, routed.route, names, arrays, outputs)
+            observed.arm = routed.arm
+            observed.mark("routing")
+            result = await pipeline.run_inference(
+                state, routed.route, names, arrays, outputs, observed
+            )
         except ApiError as exc:
             return Response({"error": exc.message}, status=exc.status, headers=dict(exc.headers))
         if routed.shadow_version_id is not None:

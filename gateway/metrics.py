@@ -1,0 +1,365 @@
+"""Prometheus metrics of the data path and the fleet, served at ``/metrics``.
+
+Request metrics are counted per process in plain dicts (well under a microsecond per request)
+and folded into prometheus-client's metrics by the gateway's refresh loop every
+``REFRESH_INTERVAL_S`` and before each scrape. Observing each request straight into
+prometheus-client costs 2.6-4.3 us per observation in multiprocess mode (measured: an mmap
+write under a lock), ~25 us for the eight a request makes, which is ~10 % of a warm request.
+
+Several server processes: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory, wiped when
+the server starts) for every process; a scrape of any of them then sums all of them. Agent
+metrics (queue depth, in flight, batch sizes, load times, memory, GPU) come from the agents'
+latest heartbeats in the database, read at scrape time, so every process reports the same.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.utils import floatToGoString
+
+from registry.models import ModelVersion
+from rollouts.fleet import live_sessions
+from serving_agent.protocol import BATCH_SIZE_BOUNDS
+
+from .tracing import Trace
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STAGE_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+STAGE_BUCKETS_S += (0.05, 0.1, 0.25, 1, 5)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+REQUESTS = Counter(
+    "switchyard_requests",
+    "Prediction requests answered, by tenant, model, version, arm and HTTP status.",
+    ["tenant", "model", "version", "arm", "status"],
+)
+LATENCY = Histogram(
+    "switchyard_request_duration_seconds",
+    "Prediction latency in the gateway, from the request to the reply (any status).",
+    ["tenant", "model", "version", "arm"],
+    buckets=LATENCY_BUCKETS_S,
+)
+STAGES = Histogram(
+    "switchyard_stage_duration_seconds",
+    "Time per stage of a prediction: auth, rate_limit, routing, serialization (gateway), "
+    "dispatch (to the agent and back), queue_wait and inference (on the agent).",
+    ["tenant", "model", "stage"],
+    buckets=STAGE_BUCKETS_S,
+)
+REJECTED = Counter(
+    "switchyard_rejected_requests",
+    "Prediction requests refused, by reason: unauthenticated, not_found, bad_input, "
+    "rate_limit, overload (503: queue full, no ready agent, cold start past its hold).",
+    ["tenant", "reason"],
+)
+TTFT = Histogram(
+    "switchyard_generation_ttft_seconds",
+    "Time to the first token of a generation.",
+    ["tenant", "model", "version"],
+    buckets=TTFT_BUCKETS_S,
+)
+TOKEN_RATE = Histogram(
+    "switchyard_generation_tokens_per_second",
+    "Decode speed of each finished generation (tokens after the first over the time they took).",
+    ["tenant", "model", "version"],
+    buckets=TOKEN_RATE_BUCKETS,
+)
+TOKENS = Counter(
+    "switchyard_generated_tokens",
+    "Tokens generated and streamed to clients.",
+    ["tenant", "model", "version"],
+)
+
+REJECT_REASONS = {
+    401: "unauthenticated",
+    403: "unauthenticated",
+    404: "not_found",
+    429: "rate_limit",
+}
+
+
+def reject_reason(status: int) -> str | None:
+    """Why a request was refused, from its status; None for an answer or a server error."""
+    if status in REJECT_REASONS:
+        return REJECT_REASONS[status]
+    if 400 <= status < 500:
+        return "bad_input"
+    if status == 503:
+        return "overload"
+    return None
+
+
+class Observed:
+    """One prediction as it goes through the pipeline: its ids, where its time went, and what
+    the prediction log needs. ``mark`` charges the time since the previous mark to a stage."""
+
+    __slots__ = (
+        "trace",
+        "predicting",
+        "started",
+        "_last",
+        "stages",
+        "tenant",
+        "route",
+        "arm",
+        "names",
+        "arrays",
+        "outputs",
+    )
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.predicting = False  # a prediction (counted and logged), not metadata or health
+        self.started = self._last = time.perf_counter()
+        self.stages: dict[str, float] = {}
+        self.tenant = ""
+        self.route = None
+        self.arm: str | None = None
+        self.names: list[str] | None = None
+        self.arrays: list | None = None
+        self.outputs: list | None = None
+
+    def mark(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    def agent_times(self, queue_ms: float, compute_ms: float) -> None:
+        """Split the dispatch just marked into the agent's queue wait, its model run and the
+        rest (the round trip over the websocket, framing, the agent's own overhead)."""
+        queue, compute = queue_ms / 1000, compute_ms / 1000
+        self.stages["queue_wait"] = self.stages.get("queue_wait", 0.0) + queue
+        self.stages["inference"] = self.stages.get("inference", 0.0) + compute
+        self.stages["dispatch"] = max(0.0, self.stages.get("dispatch", 0.0) - queue - compute)
+
+
+@dataclass(slots=True)
+class _Hist:
+    counts: list[int]
+    total: float = 0.0
+
+
+@dataclass
+class RequestMetrics:
+    """This process's counts since the last fold into prometheus-client."""
+
+    requests: dict[tuple, int] = field(default_factory=dict)
+    latency: dict[tuple, _Hist] = field(default_factory=dict)
+    stages: dict[tuple, _Hist] = field(default_factory=dict)
+    rejected: dict[tuple, int] = field(default_factory=dict)
+
+    def record(self, observed: Observed, status: int, seconds: float) -> None:
+        route = observed.route
+        tenant = observed.tenant
+        if route is not None:
+            labels = (tenant, route.model_name, str(route.version), observed.arm or "")
+            key = (*labels, str(status))
+            self.requests[key] = self.requests.get(key, 0) + 1
+            _add(self.latency, labels, LATENCY_BUCKETS_S, seconds)
+            for stage, spent in observed.stages.items():
+                _add(self.stages, (tenant, route.model_name, stage), STAGE_BUCKETS_S, spent)
+        reason = reject_reason(status)
+        if reason is not None:
+            key = (tenant, reason)
+            self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def fold(self) -> None:
+        """Move the counts into prometheus-client's metrics (shared files in multiprocess
+        mode) and start afresh."""
+        requests, self.requests = self.requests, {}
+        latency, self.latency = self.latency, {}
+        stages, self.stages = self.stages, {}
+        rejected, self.rejected = self.rejected, {}
+        for key, n in requests.items():
+            REQUESTS.labels(*key).inc(n)
+        for key, hist in latency.items():
+            _fold_histogram(LATENCY.labels(*key), hist)
+        for key, hist in stages.items():
+            _fold_histogram(STAGES.labels(*key), hist)
+        for key, n in rejected.items():
+            REJECTED.labels(*key).inc(n)
+
+
+def _add(hists: dict[tuple, _Hist], key: tuple, bounds: tuple, value: float) -> None:
+    hist = hists.get(key)
+    if hist is None:
+        hist = hists[key] = _Hist([0] * (len(bounds) + 1))
+    hist.counts[bisect.bisect_left(bounds, value)] += 1  # le: value <= bound
+    hist.total += value
+
+
+def _fold_histogram(child: Histogram, hist: _Hist) -> None:
+    # prometheus-client has no bulk observe: add to each bucket's value and the sum, which is
+    # what observe() does one observation at a time (buckets are stored non-cumulative; the
+    # last one is +Inf).
+    for value, n in zip(child._buckets, hist.counts, strict=True):
+        if n:
+            value.inc(n)
+    child._sum.inc(hist.total)
+
+
+# Scrape -----------------------------------------------------------------------------------
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class FleetCollector:
+    """Agent metrics from the live sessions' latest heartbeats (read when scraped)."""
+
+    def collect(self):
+        rows = fleet_rows()
+        agent_labels = ["agent", "node", "deployment"]
+        gauges = {
+            name: GaugeMetricFamily(f"switchyard_agent_{name}", doc, labels=agent_labels)
+            for name, doc in (
+                ("queue_depth", "Requests waiting for a batch on the agent."),
+                ("in_flight", "Requests queued or running on the agent."),
+                ("load_avg", "Requests in the agent on average over the last heartbeat."),
+                ("memory_used_bytes", "Memory the agent's loaded versions hold."),
+                ("memory_budget_bytes", "The agent's memory budget."),
+            )
+        }
+        batch = HistogramMetricFamily(
+            "switchyard_agent_batch_size",
+            "Rows per model run on the agent since it started.",
+            labels=agent_labels,
+        )
+        load = GaugeMetricFamily(
+            "switchyard_model_load_seconds",
+            "Time an agent took to download, load and warm up a version.",
+            labels=["agent", "tenant", "model", "version"],
+        )
+        gpu_labels = ["agent", "gpu"]
+        gpu_util = GaugeMetricFamily(
+            "switchyard_gpu_utilization_ratio", "GPU utilisation (NVML).", labels=gpu_labels
+        )
+        gpu_used = GaugeMetricFamily(
+            "switchyard_gpu_memory_used_bytes", "GPU memory in use.", labels=gpu_labels
+        )
+        gpu_total = GaugeMetricFamily(
+            "switchyard_gpu_memory_total_bytes", "GPU memory.", labels=gpu_labels
+        )
+        for row in rows:
+            labels = [row.agent, row.node, row.deployment]
+            stats = row.stats
+            for name, gauge in gauges.items():
+                gauge.add_metric(labels, float(stats.get(name, 0) or 0))
+            counts = stats.get("batch_size_counts") or []
+            if len(counts) == len(BATCH_SIZE_BOUNDS) + 1:
+                cumulative, running = [], 0
+                for bound, n in zip([*BATCH_SIZE_BOUNDS, math.inf], counts, strict=True):
+                    running += n
+                    cumulative.append((floatToGoString(bound), running))
+                batch.add_metric(labels, cumulative, float(stats.get("batch_rows_total", 0)))
+            for version in stats.get("versions", []):
+                named = row.versions.get(version.get("version_id"))
+                if named is not None and version.get("load_s"):
+                    load.add_metric([row.agent, *named], float(version["load_s"]))
+            for gpu in stats.get("gpus", []):
+                g = [row.agent, str(gpu.get("index", 0))]
+                gpu_util.add_metric(g, float(gpu.get("utilization_pct", 0)) / 100)
+                gpu_used.add_metric(g, float(gpu.get("memory_used_bytes", 0)))
+                gpu_total.add_metric(g, float(gpu.get("memory_total_bytes", 0)))
+        yield from gauges.values()
+        yield from (batch, load, gpu_util, gpu_used, gpu_total)
+
+
+@dataclass
+class AgentRow:
+    agent: str
+    node: str
+    deployment: str
+    stats: dict
+    versions: dict[int, tuple[str, str, str]]  # version id -> (tenant, model, version)
+
+
+def fleet_rows() -> list[AgentRow]:
+    """The live agent sessions with their latest heartbeat, and their versions' names."""
+    sessions = list(live_sessions().select_related("node").order_by("pk"))
+    ids = {v.get("version_id") for s in sessions for v in (s.stats or {}).get("versions", [])}
+    names = {
+        pk: (tenant, model, str(number))
+        for pk, tenant, model, number in ModelVersion.objects.filter(pk__in=ids).values_list(
+            "pk", "model__tenant__slug", "model__name", "version"
+        )
+    }
+    return [
+        AgentRow(
+            agent=f"{s.node.name}#{s.pk}",
+            node=s.node.name,
+            deployment=s.deployment_name,
+            stats=s.stats or {},
+            versions=names,
+        )
+        for s in sessions
+    ]
+
+
+_fleet_registry = CollectorRegistry(auto_describe=False)
+_fleet_registry.register(FleetCollector())
+
+
+def exposition() -> bytes:
+    """The text exposition: this process's (or, in multiprocess mode, every process's) data
+    path metrics, then the fleet's. Reads the database (the fleet): call it off the loop."""
+    if multiprocess():
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+    else:
+        registry = REGISTRY
+    return generate_latest(registry) + generate_latest(_fleet_registry)
+
+
+async def metrics_app(scope: dict, receive, send) -> None:
+    """``GET /metrics`` as a lean ASGI app. With ``SWITCHYARD_METRICS_TOKEN`` set, scrapers
+    must send it as a bearer token (metrics name tenants and models)."""
+    from channels.db import database_sync_to_async
+    from django.conf import settings
+
+    from platform_site.tokens import bearer
+
+    from .state import get_state
+
+    headers = dict(scope["headers"])
+    token = settings.SWITCHYARD["METRICS_TOKEN"]
+    if scope["method"] not in ("GET", "HEAD"):
+        status, body, content_type = 405, b'{"error": "use GET"}', b"application/json"
+    elif token and not hmac.compare_digest(
+        bearer(headers.get(b"authorization", b"").decode("latin-1")) or "", token
+    ):
+        status, content_type = 401, b"application/json"
+        body = b'{"error": "metrics need the bearer token SWITCHYARD_METRICS_TOKEN"}'
+    else:
+        get_state().metrics.fold()  # this process's latest counts; others fold every 0.5 s
+        status, content_type = 200, CONTENT_TYPE_LATEST.encode()
+        body = await database_sync_to_async(exposition)()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

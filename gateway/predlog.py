@@ -1,0 +1,385 @@
+"""The prediction log: a sample of requests recorded off the request path, and its retention.
+
+``PredictionLogger.offer`` runs on the event loop after each prediction: it samples, turns the
+tensors into JSON columns (personal fields redacted or hashed) and appends to a bounded buffer.
+A daemon thread writes the buffer in batches. Neither ever holds up a request: a full buffer or a
+failed write drops records and counts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import Max, QuerySet
+from django.utils import timezone
+from prometheus_client import Counter
+
+from registry.models import Model, TaskKind
+
+from .models import Feedback, PredictionLog
+from .routes import Route
+
+log = logging.getLogger(__name__)
+
+RECORDS = Counter(
+    "switchyard_prediction_log_records",
+    "Sampled predictions by what became of them: written, or dropped (buffer full, write failed).",
+    ["outcome"],
+)
+# Children made once: a drop on the request path costs an increment, not a label lookup; and
+# every outcome is exported (at 0) before it first happens.
+WRITTEN = RECORDS.labels("written")
+DROPPED_BUFFER_FULL = RECORDS.labels("dropped_buffer_full")
+DROPPED_WRITE_FAILED = RECORDS.labels("dropped_write_failed")
+REDACTED = "[redacted]"
+FLOAT_TYPES = {"FP16", "FP32", "FP64", "BF16"}
+PURGE_CHUNK = 5000
+WRITE_TIMEOUT_MS = 5000  # a batch write slower than this on PostgreSQL is dropped (counted)
+
+
+def score_output(task: str, outputs: Sequence[dict]) -> str | None:
+    """The output whose rows give the score: a classifier's probabilities (its first float
+    output of two dimensions, not a label output), else the first output."""
+    if not outputs:
+        return None
+    if task == TaskKind.CLASSIFIER:
+        for spec in outputs:
+            if len(spec["shape"]) == 2 and spec["datatype"] in FLOAT_TYPES:
+                return spec["name"]
+    return outputs[0]["name"]
+
+
+def row_scores(task: str, array: np.ndarray) -> list[float | None]:
+    """One number per row: a classifier's positive-class probability ([n,2] → column 1, [n,1]
+    or [n] → the value, [n,k>2] → the top class's), a regressor's value; [] when there is none
+    (several regression targets, higher-rank outputs, generators)."""
+    a = np.asarray(array, dtype=np.float64)
+    if a.ndim < 2:
+        a = a.reshape(-1, 1)
+    if a.ndim > 2 or task not in (TaskKind.CLASSIFIER, TaskKind.REGRESSOR):
+        return []
+    if task == TaskKind.REGRESSOR:
+        return _finite_list(a[:, 0]) if a.shape[1] == 1 else []
+    probs = _probabilities(a)
+    if probs.shape[1] == 1:
+        return _finite_list(probs[:, 0])
+    if probs.shape[1] == 2:
+        return _finite_list(probs[:, 1])
+    return _finite_list(probs.max(axis=1))
+
+
+def _probabilities(a: np.ndarray) -> np.ndarray:
+    """Scores are probabilities; a model exporting logits gets its sigmoid or softmax."""
+    in_unit_range = a.size == 0 or (a.min() >= 0 and a.max() <= 1)
+    if a.shape[1] == 1:
+        return a if in_unit_range else _sigmoid(a)
+    if in_unit_range and np.abs(a.sum(axis=1) - 1).max(initial=0) <= 1e-3:
+        return a
+    with np.errstate(all="ignore"):  # NaN rows stay NaN and are logged as null
+        shifted = np.exp(a - a.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def _sigmoid(a: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return 1 / (1 + np.exp(-a))
+
+
+def _finite_list(a: np.ndarray) -> list:
+    """``tolist()`` with NaN and infinities as None: PostgreSQL's JSON refuses them."""
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        a = a.astype(object)
+        a[~np.isfinite(a.astype(np.float64))] = None
+    return a.tolist()
+
+
+def _text(value: object) -> object:
+    if not isinstance(value, bytes):
+        return value
+    # PostgreSQL's JSON has no NUL character: one would fail the whole batch.
+    return value.decode("utf-8", "replace").replace("\x00", "\ufffd")
+
+
+def _jsonable(a: np.ndarray) -> list:
+    if a.dtype.kind in "OS":  # BYTES tensors
+        return np.vectorize(_text, otypes=[object])(a).tolist() if a.size else a.tolist()
+    return _finite_list(a)
+
+
+def _shape_only(a: np.ndarray) -> dict:
+    return {"shape": list(a.shape), "dtype": str(a.dtype)}
+
+
+def input_columns(
+    route: Route, names: Sequence[str], arrays: Sequence[np.ndarray], hash_key: bytes
+) -> dict:
+    """{column: [value per row]}: a 2-D input with the version's feature names gives one column
+    per feature, else ``input[j]``; a 1-D or [n,1] input one column named by the input; higher
+    ranks (images, sequences) only their shape. Personal fields, named by feature or by input,
+    are redacted or replaced by a keyed hash first."""
+    personal = dict(route.personal_fields)
+    columns: dict = {}
+    for name, array in zip(names, arrays, strict=False):
+        array = np.asarray(array)
+        if array.ndim > 2:
+            columns[name] = _shape_only(array)
+            continue
+        if array.ndim == 2 and array.shape[1] != 1:
+            width = array.shape[1]
+            labels = (
+                route.feature_names
+                if len(route.feature_names) == width
+                else [f"{name}[{j}]" for j in range(width)]
+            )
+            own = dict(zip(labels, _jsonable(array.T), strict=True))
+        else:
+            own = {name: _jsonable(array.reshape(-1))}
+        if personal:
+            for label, values in own.items():
+                rule = personal.get(label) or personal.get(name)
+                own[label] = _protect(values, rule, hash_key)
+        columns.update(own)
+    return columns
+
+
+def _protect(values: list, rule: str | None, hash_key: bytes) -> list:
+    if rule == "redact":
+        return [REDACTED] * len(values)
+    if rule == "hash":
+        return [keyed_hash(v, hash_key) for v in values]
+    return values
+
+
+def keyed_hash(value: object, key: bytes) -> str:
+    """HMAC-SHA256 of the value: equal values hash equal (joins still work), yet without the
+    key the value cannot be guessed by hashing candidates."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def log_hash_key() -> bytes:
+    configured = settings.SWITCHYARD["LOG_HASH_KEY"]
+    if configured:
+        return configured.encode()
+    # Derived, so a deployment without its own key still hashes with a secret one.
+    return hashlib.sha256(b"switchyard.predlog:" + settings.SECRET_KEY.encode()).digest()
+
+
+def output_columns(outputs: Sequence[tuple[str, np.ndarray]] | None) -> dict:
+    return {
+        name: _shape_only(np.asarray(a)) if np.ndim(a) > 2 else _jsonable(np.asarray(a))
+        for name, a in outputs or ()
+    }
+
+
+def build_record(
+    route: Route,
+    *,
+    arm: str | None,
+    request_id: str,
+    trace_id: str,
+    names: Sequence[str],
+    arrays: Sequence[np.ndarray],
+    outputs: Sequence[tuple[str, np.ndarray]] | None,
+    latency_s: float,
+    status: int,
+    hash_key: bytes,
+) -> dict:
+    """The fields of one ``PredictionLog`` row."""
+    scores: list = []
+    score_name = score_output(route.task, route.outputs)
+    for name, array in outputs or ():
+        if name == score_name:
+            scores = row_scores(route.task, array)
+    return {
+        "tenant_id": route.tenant_id,
+        "model_id": route.model_id,
+        "version_id": route.version_id,
+        "arm": arm or "",
+        "request_id": request_id[:128],
+        "trace_id": trace_id[:32],
+        "inputs": input_columns(route, names, arrays, hash_key),
+        "outputs": output_columns(outputs),
+        "scores": scores,
+        "latency_ms": latency_s * 1000.0,
+        "status": status,
+        "created_at": datetime.now(UTC),
+    }
+
+
+class PredictionLogger:
+    """One per gateway process: samples predictions into a bounded buffer that a daemon
+    thread writes in batches. Counts are plain attributes (for tests) and Prometheus counters.
+
+    Offers come from the event loop's thread, so the buffer's length check and append do not
+    race; the writer thread is the only one taking from it.
+    """
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        batch_size: int | None = None,
+        flush_s: float | None = None,
+        autostart: bool = True,
+    ) -> None:
+        """``autostart=False`` leaves the writer thread unstarted: tests then write with
+        ``write_pending()`` in their own thread."""
+        conf = settings.SWITCHYARD
+        self.capacity = capacity or conf["PREDLOG_BUFFER"]
+        self.batch_size = batch_size or conf["PREDLOG_BATCH"]
+        self.flush_s = flush_s or conf["PREDLOG_FLUSH_S"]
+        self.hash_key = log_hash_key()
+        self.written = 0
+        self.dropped_buffer_full = 0
+        self.dropped_write_failed = 0
+        self._buffer: deque[dict] = deque()
+        self._accepted = 0  # records put in the buffer, ever
+        self._settled = 0  # of those, written or dropped by the writer
+        self._wake = threading.Event()
+        self._progress = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._autostart = autostart
+
+    def offer(
+        self,
+        route: Route,
+        *,
+        arm: str | None,
+        request_id: str,
+        trace_id: str,
+        names: list[str],
+        arrays: list[np.ndarray],
+        outputs: list[tuple[str, np.ndarray]] | None,
+        latency_s: float,
+        status: int,
+    ) -> bool:
+        """Log this prediction if sampled; True if it went into the buffer. Never blocks."""
+        if random.random() >= route.log_sample_rate:
+            return False
+        if len(self._buffer) >= self.capacity:
+            self.dropped_buffer_full += 1
+            DROPPED_BUFFER_FULL.inc()
+            return False
+        try:
+            record = build_record(
+                route,
+                arm=arm,
+                request_id=request_id,
+                trace_id=trace_id,
+                names=names,
+                arrays=arrays,
+                outputs=outputs,
+                latency_s=latency_s,
+                status=status,
+                hash_key=self.hash_key,
+            )
+        except Exception:  # a tensor we cannot describe must never fail the request
+            log.exception("prediction log: could not record request %s", request_id)
+            return False
+        self._buffer.append(record)
+        self._accepted += 1
+        if self._thread is None and self._autostart:
+            self._start()
+        if len(self._buffer) >= self.batch_size and not self._wake.is_set():
+            self._wake.set()
+        return True
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Write (or drop) everything offered so far; False if that took past ``timeout``."""
+        target = self._accepted
+        if self._settled >= target:
+            return True
+        if self._thread is None:
+            self._start()
+        self._wake.set()
+        with self._progress:
+            return self._progress.wait_for(lambda: self._settled >= target, timeout)
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            self.write_pending()
+
+    def write_pending(self) -> None:
+        """Write the buffer out in batches (the writer thread's one step)."""
+        while self._buffer:
+            count = min(self.batch_size, len(self._buffer))
+            self._write([self._buffer.popleft() for _ in range(count)])
+
+    def _write(self, batch: list[dict]) -> None:
+        try:
+            close_old_connections()  # honour CONN_MAX_AGE and drop connections that broke
+            with transaction.atomic():
+                if connection.vendor == "postgresql":
+                    # A hung server must fail the batch, not stall the writer behind it.
+                    with connection.cursor() as cursor:
+                        cursor.execute("SET LOCAL statement_timeout = %s", [WRITE_TIMEOUT_MS])
+                PredictionLog.objects.bulk_create([PredictionLog(**r) for r in batch])
+        except Exception as exc:  # database down, locked or slow: losing samples beats stalling
+            log.warning("prediction log: dropped %d records: %s", len(batch), exc)
+            self.dropped_write_failed += len(batch)
+            DROPPED_WRITE_FAILED.inc(len(batch))
+            connection.close()  # never reuse a connection left in a failed state
+        else:
+            self.written += len(batch)
+            WRITTEN.inc(len(batch))
+        with self._progress:
+            self._settled += len(batch)
+            self._progress.notify_all()
+
+
+def purge_expired_logs(now: datetime | None = None) -> dict[str, int]:
+    """Delete each model's log rows older than its ``log_retention_days``, and feedback older
+    than the longest retention of its tenant's models; in chunks, so no delete holds a long
+    lock. Returns the counts deleted."""
+    now = now or timezone.now()
+    logs = 0
+    for model_id, days in Model.objects.values_list("pk", "log_retention_days"):
+        expired = PredictionLog.objects.filter(
+            model_id=model_id, created_at__lt=now - timedelta(days=days)
+        )
+        logs += _delete_in_chunks(expired)
+    longest = dict(
+        Model.objects.order_by()
+        .values("tenant_id")
+        .annotate(days=Max("log_retention_days"))
+        .values_list("tenant_id", "days")
+    )
+    default_days = Model._meta.get_field("log_retention_days").default
+    feedback = 0
+    for tenant_id in Feedback.objects.order_by().values_list("tenant_id", flat=True).distinct():
+        days = longest.get(tenant_id, default_days)
+        expired = Feedback.objects.filter(
+            tenant_id=tenant_id, received_at__lt=now - timedelta(days=days)
+        )
+        feedback += _delete_in_chunks(expired)
+    return {"prediction_logs": logs, "feedback": feedback}
+
+
+def _delete_in_chunks(rows: QuerySet) -> int:
+    total = 0
+    while True:
+        ids = list(rows.order_by().values_list("pk", flat=True)[:PURGE_CHUNK])
+        if not ids:
+            return total
+        total += rows.model.objects.filter(pk__in=ids).delete()[0]

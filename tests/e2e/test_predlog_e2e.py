@@ -1,0 +1,170 @@
+"""The prediction log end to end: a real uvicorn server and agent log real requests under the
+request ids their clients got back, feedback joins them, and a locked database costs the
+requests nothing (records are dropped and counted instead)."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.onnx_models import small_onnx
+
+from .conftest import platform_with_agent, upload_and_promote, wait_ready
+from .harness import create_tenant, wait_until
+
+pytestmark = pytest.mark.e2e
+
+# A small buffer, so a stalled writer fills it within a few hundred requests.
+ENV = {
+    "SWITCHYARD_PREDLOG_BUFFER": "50",
+    "SWITCHYARD_PREDLOG_BATCH": "10",
+    "SWITCHYARD_PREDLOG_FLUSH_S": "0.2",
+}
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    """The embedded backend (SQLite) with model ``clf`` of tenant alpha logging every request;
+    yields (backend, url, alpha's key, beta's key)."""
+    with platform_with_agent("embedded", tmp_path_factory.mktemp("predlog"), ENV) as started:
+        backend, url, procs = started
+        key_a, key_b = create_tenant(backend, "alpha"), create_tenant(backend, "beta")
+        with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:
+            created = client.post("/api/v1/models", json={"name": "clf", "task": "classifier"})
+            assert created.status_code == 201, created.text
+            # save(), not update(): the change signal tells the gateway to drop its route cache.
+            backend.shell(
+                "from registry.models import Model\n"
+                "m = Model.objects.get(name='clf')\n"
+                "m.log_sample_rate = 1.0\n"
+                "m.save()"
+            )
+            upload_and_promote(client, "clf", small_onnx())
+            wait_ready(client, "clf", proc=procs[1])
+        yield backend, url, key_a, key_b
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def oip(x: np.ndarray, **headers: str) -> dict:
+    return {
+        "json": {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        },
+        "headers": headers,
+    }
+
+
+def logged(client: httpx.Client, request_id: str) -> list[dict]:
+    response = client.get("/api/v1/models/clf/predictions", params={"request_id": request_id})
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+def metric(url: str, outcome: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(
+        rf'^switchyard_prediction_log_records_total\{{outcome="{outcome}"\}} (\S+)$', text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def test_real_requests_are_logged_under_the_ids_clients_got_and_feedback_joins(platform, rng):
+    backend, url, key_a, key_b = platform
+    sent: dict[str, np.ndarray] = {}
+    outputs: dict[str, list] = {}
+    with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:
+        for i in range(4):
+            x = rng.normal(size=(2, 4)).astype(np.float32)
+            headers = {"x-request-id": f"client-id-{i}"} if i % 2 else {}
+            response = client.post("/v2/models/clf/infer", **oip(x, **headers))
+            assert response.status_code == 200, response.text
+            request_id = response.headers["x-request-id"]
+            assert request_id == headers.get("x-request-id", request_id)
+            sent[request_id] = x
+            outputs[request_id] = np.reshape(response.json()["outputs"][0]["data"], (2, 2))
+        x = rng.normal(size=(3, 4)).astype(np.float32)
+        response = client.post("/api/v1/models/clf/predict", json={"instances": x.tolist()})
+        assert response.status_code == 200, response.text
+        request_id = response.headers["x-request-id"]
+        sent[request_id] = x
+        outputs[request_id] = np.array(response.json()["predictions"])
+
+        rows = {rid: wait_until(lambda rid=rid: logged(client, rid), 15) for rid in sent}
+        for request_id, x in sent.items():
+            (row,) = rows[request_id]
+            assert (row["version"], row["status"], row["label"]) == (1, 200, None)
+            assert row["trace_id"] and row["latency_ms"] > 0
+            for j in range(4):
+                np.testing.assert_allclose(row["inputs"][f"x[{j}]"], x[:, j], rtol=1e-6)
+            np.testing.assert_allclose(row["outputs"]["y"], outputs[request_id], rtol=1e-5)
+            logits = outputs[request_id]
+            positive = 1 / (1 + np.exp(logits[:, 0] - logits[:, 1]))  # softmax, class 1
+            np.testing.assert_allclose(row["scores"], positive, rtol=1e-5)
+
+        # Labels: the predicted class everywhere but the first row of one request.
+        labels = {rid: out.argmax(axis=1).tolist() for rid, out in outputs.items()}
+        wrong = next(iter(labels))
+        labels[wrong][0] = 1 - labels[wrong][0]
+        items = [{"request_id": rid, "label": label} for rid, label in labels.items()]
+        fed = client.post("/api/v1/feedback", json={"items": items})
+        assert fed.json() == {"accepted": 5, "matched": 5}
+        assert logged(client, wrong)[0]["label"] == labels[wrong]
+
+        series = client.get("/api/v1/models/clf/quality").json()["series"]
+        assert sum(p["labelled"] for p in series) == 5
+        assert sum(p["labelled_rows"] for p in series) == 11  # 4 requests of 2 rows, one of 3
+        right = sum(p["accuracy"] * p["labelled_rows"] for p in series if p["labelled_rows"])
+        assert right == pytest.approx(10)  # one wrong row (the hours may split the requests)
+
+    with httpx.Client(base_url=url, headers=auth(key_b), timeout=30) as other:
+        assert other.get("/api/v1/models/clf/predictions").status_code == 404
+        assert other.post("/api/v1/feedback", json={"items": items}).json()["matched"] == 0
+
+
+def test_a_locked_database_leaves_requests_fast_and_counts_the_drops(platform, rng):
+    backend, url, key_a, _ = platform
+    dropped_before = metric(url, "dropped_buffer_full") + metric(url, "dropped_write_failed")
+    holder = sqlite3.connect(
+        backend.var_dir / "switchyard.sqlite3", timeout=5, isolation_level=None
+    )
+    holder.execute("BEGIN IMMEDIATE")  # another writer holds SQLite's write lock
+    slowest = 0.0
+    try:
+        with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:
+            for i in range(300):
+                x = rng.normal(size=(1, 4)).astype(np.float32)
+                started = time.perf_counter()
+                response = client.post(
+                    "/v2/models/clf/infer", **oip(x, **{"x-request-id": f"locked-{i}"})
+                )
+                slowest = max(slowest, time.perf_counter() - started)
+                assert response.status_code == 200, response.text
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert slowest < 1.0  # the log writer waits for the lock; requests never do
+    dropped = metric(url, "dropped_buffer_full") + metric(url, "dropped_write_failed")
+    # 300 records into a buffer of 50 behind a writer stuck on its first batch of 10.
+    assert dropped - dropped_before >= 300 - 50 - 10 - 10
+    with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:
+        # Once the lock is gone the writer carries on: what the buffer held gets written.
+        wait_until(lambda: logged(client, "locked-0"), 30)
+        x = rng.normal(size=(1, 4)).astype(np.float32)
+        after = client.post("/v2/models/clf/infer", **oip(x, **{"x-request-id": "after-lock"}))
+        assert after.status_code == 200
+        wait_until(lambda: logged(client, "after-lock"), 15)

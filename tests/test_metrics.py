@@ -1,0 +1,179 @@
+"""Request metrics counted in process and folded into prometheus-client, the fleet's metrics
+from heartbeats, request ids and trace context."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway import metrics, tracing
+from gateway.metrics import LATENCY_BUCKETS_S, Observed, RequestMetrics, reject_reason
+from gateway.routes import Route
+from tests.factories import make_model, make_version
+
+
+def samples_of(text: str, name: str, **labels: str) -> dict[str, float]:
+    """{le or sample name: value} of one labelled series in an exposition."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(name) and all(s.labels.get(k) == v for k, v in labels.items()):
+                found[s.labels.get("le", s.name)] = s.value
+    return found
+
+
+def route(version: int = 3) -> Route:
+    return Route(
+        tenant_id=1,
+        model_name="fold-test",
+        version_id=99,
+        model_id=7,
+        version=version,
+        task="classifier",
+        inputs=(),
+        outputs=(),
+        feature_names=(),
+    )
+
+
+def test_folding_counts_equals_observing_each_request():
+    """The bulk fold writes what observe() would have written one request at a time."""
+    rng = random.Random(5)
+    latencies = [rng.lognormvariate(-5, 1.5) for _ in range(500)] + [0.001, 0.0005, 20.0]
+    pending = RequestMetrics()
+    for seconds in latencies:
+        observed = Observed(tracing.start_trace(None, None))
+        observed.tenant, observed.route, observed.arm = "t-fold", route(), "candidate"
+        pending.record(observed, 200, seconds)
+    pending.fold()
+    assert pending.requests == {} and pending.latency == {}  # started afresh
+
+    reference = CollectorRegistry()
+    direct = Histogram("direct", "", buckets=LATENCY_BUCKETS_S, registry=reference)
+    for seconds in latencies:
+        direct.observe(seconds)
+    want = samples_of(generate_latest(reference).decode(), "direct")
+
+    from prometheus_client import REGISTRY
+
+    got = samples_of(
+        generate_latest(REGISTRY).decode(),
+        "switchyard_request_duration_seconds",
+        tenant="t-fold",
+        model="fold-test",
+        version="3",
+        arm="candidate",
+    )
+    buckets = {k: v for k, v in got.items() if not k.startswith("switchyard")}
+    assert buckets == {k: v for k, v in want.items() if not k.startswith("direct")}
+    assert got["switchyard_request_duration_seconds_sum"] == pytest.approx(want["direct_sum"])
+    assert got["switchyard_request_duration_seconds_count"] == len(latencies)
+    counted = samples_of(
+        generate_latest(REGISTRY).decode(), "switchyard_requests_total", tenant="t-fold"
+    )
+    assert counted == {"switchyard_requests_total": len(latencies)}
+
+
+@pytest.mark.parametrize(
+    "status, reason",
+    [
+        (200, None),
+        (400, "bad_input"),
+        (413, "bad_input"),
+        (401, "unauthenticated"),
+        (404, "not_found"),
+        (429, "rate_limit"),
+        (503, "overload"),
+        (500, None),
+        (504, None),
+    ],
+)
+def test_rejections_are_counted_by_reason(status, reason):
+    assert reject_reason(status) == reason
+
+
+def test_stage_times_split_the_dispatch_with_the_agents_report():
+    observed = Observed(tracing.start_trace(None, None))
+    observed.stages = {"dispatch": 0.010}
+    observed.agent_times(queue_ms=2.0, compute_ms=5.0)
+    assert observed.stages == pytest.approx(
+        {"dispatch": 0.003, "queue_wait": 0.002, "inference": 0.005}
+    )
+
+
+@pytest.mark.django_db
+def test_fleet_metrics_come_from_live_heartbeats(world, onnx_bytes):
+    from gateway.models import AgentSession, Node
+
+    version = make_version(make_model(world.a, "fraud"), onnx_bytes)
+    node = Node.objects.create(name="gpu-1", token_prefix="p1", token_hash="h")
+    counts = [4, 1] + [0] * 9
+    AgentSession.objects.create(
+        node=node,
+        channel_name="c1",
+        deployment_name="sy-agent-1-v1",
+        stats={
+            "queue_depth": 3,
+            "in_flight": 5,
+            "memory_used_bytes": 1024,
+            "batch_size_counts": counts,
+            "batch_rows_total": 6,
+            "versions": [{"version_id": version.pk, "load_s": 0.75}],
+            "gpus": [{"index": 0, "utilization_pct": 40.0, "memory_used_bytes": 2048}],
+        },
+    )
+    text = metrics.exposition().decode()
+    agent = {"agent": f"gpu-1#{AgentSession.objects.get().pk}"}
+    assert samples_of(text, "switchyard_agent_queue_depth", **agent) == {
+        "switchyard_agent_queue_depth": 3.0
+    }
+    batch = samples_of(text, "switchyard_agent_batch_size", **agent)
+    assert batch["1.0"] == 4 and batch["2.0"] == 5 and batch["+Inf"] == 5
+    assert batch["switchyard_agent_batch_size_sum"] == 6
+    load = samples_of(text, "switchyard_model_load_seconds", tenant="alpha", model="fraud")
+    assert load == {"switchyard_model_load_seconds": 0.75}
+    gpu = samples_of(text, "switchyard_gpu_utilization_ratio", gpu="0")
+    assert gpu == {"switchyard_gpu_utilization_ratio": 0.4}
+
+
+def test_trace_context_is_kept_or_started():
+    kept = tracing.start_trace("req-1", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00")
+    assert kept.request_id == "req-1" and kept.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert kept.traceparent.endswith("-00") and "00f067aa0ba902b7" not in kept.traceparent
+    for invalid in ("garbage", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "01-abc"):
+        fresh = tracing.start_trace(None, invalid)
+        assert len(fresh.trace_id) == 32 and fresh.trace_id != "0" * 32
+        assert len(fresh.request_id) == 32
+    with pytest.raises(tracing.BadRequestId, match="x-request-id"):
+        tracing.start_trace("x" * 129, None)
+
+
+def test_log_records_carry_the_request_and_trace_ids():
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    handler = Collect()
+    handler.addFilter(tracing.TraceLogFilter())
+    logger = logging.getLogger("tests.tracing")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    trace = tracing.start_trace("order-7", None)
+    try:
+        token = tracing.current.set(trace)
+        logger.info("inside")
+        tracing.current.reset(token)
+        logger.info("outside")
+    finally:
+        logger.removeHandler(handler)
+    inside, outside = handler.records
+    assert (inside.request_id, inside.trace_id) == ("order-7", trace.trace_id)
+    assert (outside.request_id, outside.trace_id) == ("-", "-")

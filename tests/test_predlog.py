@@ -1,0 +1,419 @@
+"""The prediction log: sampling, the records it builds (columns, scores, personal data), the
+bounded buffer, the batch writer against a working, failing and locked database, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import random
+import sqlite3
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from django.db import OperationalError, connection
+from django.utils import timezone
+from prometheus_client import REGISTRY
+
+from gateway.models import Feedback, PredictionLog
+from gateway.predlog import REDACTED, PredictionLogger, build_record, purge_expired_logs
+from gateway.routes import InputSpec, Route, route_of
+from gateway.tasks import purge_prediction_logs
+from registry.models import TaskKind
+from tests.factories import make_model, make_version
+
+KEY = b"test-key"
+FEATURES = ("amount", "hour", "merchant_risk", "account_age_days")
+
+
+def make_route(
+    *,
+    task: str = TaskKind.CLASSIFIER,
+    outputs: tuple[dict, ...] = ({"name": "probabilities", "datatype": "FP32", "shape": [-1, 2]},),
+    feature_names: tuple[str, ...] = FEATURES,
+    rate: float = 1.0,
+    personal: dict | None = None,
+    ids: tuple[int, int, int] = (1, 1, 1),
+) -> Route:
+    tenant_id, model_id, version_id = ids
+    return Route(
+        tenant_id=tenant_id,
+        model_name="fraud",
+        version_id=version_id,
+        model_id=model_id,
+        version=1,
+        task=task,
+        inputs=(InputSpec("features", "FP32", np.dtype("<f4"), (-1, len(feature_names) or 4)),),
+        outputs=outputs,
+        feature_names=feature_names,
+        log_sample_rate=rate,
+        personal_fields=tuple(sorted((personal or {}).items())),
+    )
+
+
+def record(route: Route, names, arrays, outputs, **overrides) -> dict:
+    fields = dict(
+        arm="candidate",
+        request_id="req-1",
+        trace_id="ab" * 16,
+        names=names,
+        arrays=arrays,
+        outputs=outputs,
+        latency_s=0.0125,
+        status=200,
+        hash_key=KEY,
+    )
+    return build_record(route, **(fields | overrides))
+
+
+def offer(logger: PredictionLogger, route: Route, n: int = 1, request_id: str = "req") -> bool:
+    x = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
+    probs = np.tile(np.array([[0.8, 0.2]], dtype=np.float32), (n, 1))
+    return logger.offer(
+        route,
+        arm=None,
+        request_id=request_id,
+        trace_id="",
+        names=[route.inputs[0].name],
+        arrays=[x],
+        outputs=[(route.outputs[0]["name"], probs)],
+        latency_s=0.001,
+        status=200,
+    )
+
+
+def counter(outcome: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "switchyard_prediction_log_records_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+# Sampling --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 1.0])
+def test_the_share_logged_follows_the_sample_rate(rate):
+    random.seed(42)
+    logger = PredictionLogger(capacity=100_000, autostart=False)
+    route = make_route(rate=rate)
+    n = 20_000
+    taken = sum(offer(logger, route) for _ in range(n))
+    # Binomial: five standard deviations either side (zero width at rates 0 and 1).
+    tolerance = 5 * (n * rate * (1 - rate)) ** 0.5
+    assert abs(taken - n * rate) <= tolerance
+    assert logger.pending == taken
+
+
+def test_an_unsampled_request_costs_next_to_nothing():
+    logger = PredictionLogger(autostart=False)
+    route = make_route(rate=0.0)
+    started = time.perf_counter()
+    for _ in range(10_000):
+        offer(logger, route)
+    per_offer = (time.perf_counter() - started) / 10_000
+    assert logger.pending == 0
+    assert per_offer < 50e-6  # the sampling check only (building the test arrays included)
+
+
+# Records ---------------------------------------------------------------------------------------
+
+
+def test_a_tabular_input_with_feature_names_gives_one_column_per_feature():
+    x = np.array([[12.5, 3, 0.7, 400], [99.0, 23, 0.1, 2]], dtype=np.float32)
+    probs = np.array([[0.9, 0.1], [0.25, 0.75]], dtype=np.float32)
+    row = record(make_route(), ["features"], [x], [("probabilities", probs)])
+    assert row["inputs"] == {
+        "amount": [12.5, 99.0],
+        "hour": [3.0, 23.0],
+        "merchant_risk": [pytest.approx(0.7), pytest.approx(0.1)],
+        "account_age_days": [400.0, 2.0],
+    }
+    assert row["scores"] == [pytest.approx(0.1), pytest.approx(0.75)]  # the positive class
+    assert row["outputs"] == {"probabilities": probs.tolist()}
+    assert (row["arm"], row["request_id"], row["status"]) == ("candidate", "req-1", 200)
+    assert row["latency_ms"] == pytest.approx(12.5)
+    assert (row["tenant_id"], row["model_id"], row["version_id"]) == (1, 1, 1)
+
+
+def test_inputs_without_names_are_numbered_and_single_columns_keep_the_input_name():
+    route = make_route(feature_names=())
+    x = np.array([[1, 2], [3, 4]], dtype=np.float32)
+    ages = np.array([[30], [41]], dtype=np.int64)
+    country = np.array([b"FR", b"D\x00E"], dtype=object)
+    image = np.zeros((2, 3, 8, 8), dtype=np.float32)
+    row = record(
+        route,
+        ["x", "age", "country", "image"],
+        [x, ages, country, image],
+        [("probabilities", np.array([[0.5, 0.5], [0.1, 0.9]]))],
+    )
+    assert row["inputs"] == {
+        "x[0]": [1.0, 3.0],
+        "x[1]": [2.0, 4.0],
+        "age": [30, 41],
+        "country": ["FR", "D\ufffdE"],  # no NUL: PostgreSQL's JSON refuses it
+        "image": {"shape": [2, 3, 8, 8], "dtype": "float32"},  # the shape only, not the pixels
+    }
+
+
+def test_classifier_logits_become_probabilities_and_many_classes_score_their_top_class():
+    logits = np.array([[0.0, 0.0], [0.0, np.log(3.0)]], dtype=np.float32)
+    row = record(make_route(), ["features"], [np.zeros((2, 4))], [("probabilities", logits)])
+    assert row["scores"] == [pytest.approx(0.5), pytest.approx(0.75)]  # softmax, column 1
+
+    three = ({"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},)
+    probs = np.array([[0.2, 0.7, 0.1], [0.5, 0.3, 0.2]], dtype=np.float32)
+    row = record(
+        make_route(outputs=three), ["features"], [np.zeros((2, 4))], [("probabilities", probs)]
+    )
+    assert row["scores"] == [pytest.approx(0.7), pytest.approx(0.5)]
+
+
+def test_a_classifier_scores_from_its_probabilities_not_its_label_output():
+    outputs = (
+        {"name": "label", "datatype": "INT64", "shape": [-1]},
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 2]},
+    )
+    row = record(
+        make_route(outputs=outputs),
+        ["features"],
+        [np.zeros((1, 4))],
+        [("label", np.array([1])), ("probabilities", np.array([[0.3, 0.7]]))],
+    )
+    assert row["scores"] == [pytest.approx(0.7)]
+    assert row["outputs"] == {"label": [1], "probabilities": [[0.3, 0.7]]}
+
+
+def test_a_regressor_scores_its_value_and_non_finite_numbers_are_logged_as_null():
+    route = make_route(
+        task=TaskKind.REGRESSOR, outputs=({"name": "y", "datatype": "FP32", "shape": [-1, 1]},)
+    )
+    x = np.array([[np.nan, 1, 2, 3]], dtype=np.float32)
+    y = np.array([[2.5], [np.inf]], dtype=np.float32)
+    row = record(route, ["features"], [np.vstack([x, x])], [("y", y)])
+    assert row["scores"] == [2.5, None]
+    assert row["outputs"] == {"y": [[2.5], [None]]}
+    assert row["inputs"]["amount"] == [None, None]
+
+
+def test_an_error_is_logged_with_its_inputs_and_no_outputs():
+    row = record(make_route(), ["features"], [np.ones((1, 4))], None, status=400)
+    assert (row["status"], row["outputs"], row["scores"]) == (400, {}, [])
+    assert row["inputs"]["amount"] == [1.0]
+
+
+def test_personal_fields_are_redacted_or_replaced_by_a_keyed_hash():
+    route = make_route(personal={"amount": "redact", "account_age_days": "hash"})
+    x = np.array([[12.5, 3, 0.7, 400], [99.0, 23, 0.1, 400]], dtype=np.float32)
+    row = record(route, ["features"], [x], None)
+    assert row["inputs"]["amount"] == [REDACTED, REDACTED]
+    hashed = row["inputs"]["account_age_days"]
+    assert hashed[0] == hmac.new(KEY, b"400.0", hashlib.sha256).hexdigest()
+    assert hashed[0] == hashed[1]  # equal values hash equal, so joins on the field still work
+    assert "400" not in str(hashed)
+    other_key = record(route, ["features"], [x], None, hash_key=b"another key")
+    assert other_key["inputs"]["account_age_days"][0] != hashed[0]
+    assert row["inputs"]["hour"] == [3.0, 23.0]  # not personal: kept
+
+
+def test_marking_an_input_personal_covers_all_of_its_columns():
+    route = make_route(feature_names=(), personal={"email": "hash", "x": "redact"})
+    email = np.array([b"a@example.com"], dtype=object)
+    row = record(route, ["email", "x"], [email, np.ones((1, 2))], None)
+    assert row["inputs"]["x[0]"] == row["inputs"]["x[1]"] == [REDACTED]
+    assert row["inputs"]["email"] == [hmac.new(KEY, b"a@example.com", hashlib.sha256).hexdigest()]
+
+
+def test_the_hash_key_comes_from_settings_or_else_from_the_secret_key(settings):
+    settings.SWITCHYARD = {**settings.SWITCHYARD, "LOG_HASH_KEY": "configured"}
+    assert PredictionLogger(autostart=False).hash_key == b"configured"
+    settings.SWITCHYARD = {**settings.SWITCHYARD, "LOG_HASH_KEY": ""}
+    derived = PredictionLogger(autostart=False).hash_key
+    assert derived and settings.SECRET_KEY.encode() not in derived
+    settings.SECRET_KEY = "another secret"
+    assert PredictionLogger(autostart=False).hash_key != derived
+
+
+# Buffer ----------------------------------------------------------------------------------------
+
+
+def test_a_full_buffer_drops_and_counts_and_offer_returns_at_once():
+    logger = PredictionLogger(capacity=10, autostart=False)
+    route = make_route()
+    before = counter("dropped_buffer_full")
+    assert all(offer(logger, route) for _ in range(10))
+    started = time.perf_counter()
+    refused = [offer(logger, route) for _ in range(1000)]
+    elapsed = time.perf_counter() - started
+    assert not any(refused)
+    assert logger.pending == 10
+    assert logger.dropped_buffer_full == 1000
+    assert counter("dropped_buffer_full") - before == 1000
+    assert elapsed < 0.05  # a length check per offer, no waiting
+
+
+# Writer ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(db, world, onnx_bytes):
+    """Tenant A's model ``clf`` (every request logged) with v1 in production, and its route."""
+    model = make_model(world.a, "clf")
+    model.log_sample_rate = 1.0
+    model.save()
+    return route_of(make_version(model, onnx_bytes))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_writer_thread_writes_in_batches(world, served, monkeypatch):
+    sizes: list[int] = []
+    original = PredictionLog.objects.bulk_create
+
+    def spy(objs, *args, **kwargs):
+        sizes.append(len(objs))
+        return original(objs, *args, **kwargs)
+
+    monkeypatch.setattr(PredictionLog.objects, "bulk_create", spy)
+    logger = PredictionLogger(capacity=1000, batch_size=4, flush_s=0.05)
+    for i in range(10):
+        assert offer(logger, served, n=2, request_id=f"req-{i}")
+    assert logger.flush(timeout=10)
+    assert logger.written == 10 and logger.pending == 0
+    assert sum(sizes) == 10 and max(sizes) <= 4
+    rows = PredictionLog.objects.filter(version_id=served.version_id)
+    assert sorted(rows.values_list("request_id", flat=True)) == sorted(
+        f"req-{i}" for i in range(10)
+    )
+    one = rows.get(request_id="req-3")
+    assert one.tenant_id == world.a.pk and one.model_id == served.model_id
+    assert one.inputs == {
+        "x[0]": [0.0, 4.0],
+        "x[1]": [1.0, 5.0],
+        "x[2]": [2.0, 6.0],
+        "x[3]": [3.0, 7.0],
+    }
+    assert one.scores == [pytest.approx(0.2)] * 2
+    assert one.outputs == {"y": [[pytest.approx(0.8), pytest.approx(0.2)]] * 2}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_writer_flushes_on_its_interval_without_being_asked(served):
+    logger = PredictionLogger(capacity=1000, batch_size=500, flush_s=0.05)
+    offer(logger, served, request_id="lonely")
+    deadline = time.monotonic() + 5
+    while logger.written == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert PredictionLog.objects.filter(request_id="lonely").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_database_drops_the_batch_counts_it_and_the_writer_keeps_going(
+    served, monkeypatch
+):
+    logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
+    failing = {"on": True}
+    original = PredictionLog.objects.bulk_create
+
+    def flaky(objs, *args, **kwargs):
+        if failing["on"]:
+            raise OperationalError("could not connect to server")
+        return original(objs, *args, **kwargs)
+
+    monkeypatch.setattr(PredictionLog.objects, "bulk_create", flaky)
+    before = counter("dropped_write_failed")
+    for i in range(5):
+        offer(logger, served, request_id=f"lost-{i}")
+    assert logger.flush(timeout=10)
+    assert logger.dropped_write_failed == 5 and logger.written == 0
+    assert counter("dropped_write_failed") - before == 5
+
+    failing["on"] = False
+    offer(logger, served, request_id="after")
+    assert logger.flush(timeout=10)
+    assert logger.written == 1
+    assert list(PredictionLog.objects.values_list("request_id", flat=True)) == ["after"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_locked_database_drops_batches_while_offers_stay_fast(served, monkeypatch):
+    # The writer waits for SQLite's lock this long before giving up (20 s in production).
+    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.3)
+    logger = PredictionLogger(capacity=20, batch_size=5, flush_s=0.05)
+    holder = sqlite3.connect(connection.settings_dict["NAME"], timeout=5, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+    try:
+        slowest = 0.0
+        for i in range(200):
+            started = time.perf_counter()
+            offer(logger, served, request_id=f"locked-{i}")
+            slowest = max(slowest, time.perf_counter() - started)
+            time.sleep(0.005)
+        assert logger.flush(timeout=30)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert slowest < 0.02  # never waits for the database
+    assert logger.written == 0
+    assert logger.dropped_write_failed > 0 and logger.dropped_buffer_full > 0
+    assert logger.dropped_write_failed + logger.dropped_buffer_full == 200
+
+    offer(logger, served, request_id="unlocked")  # a fresh connection once the lock is gone
+    assert logger.flush(timeout=10)
+    assert list(PredictionLog.objects.values_list("request_id", flat=True)) == ["unlocked"]
+
+
+# Retention -------------------------------------------------------------------------------------
+
+
+def make_log(route: Route, request_id: str, age: timedelta, **fields) -> PredictionLog:
+    return PredictionLog.objects.create(
+        tenant_id=route.tenant_id,
+        model_id=route.model_id,
+        version_id=route.version_id,
+        request_id=request_id,
+        latency_ms=1.0,
+        status=200,
+        created_at=timezone.now() - age,
+        **fields,
+    )
+
+
+def test_retention_purges_each_models_logs_by_its_own_days_and_old_feedback(
+    world, onnx_bytes, monkeypatch
+):
+    monkeypatch.setattr("gateway.predlog.PURGE_CHUNK", 2)  # several chunks per model
+    short = make_model(world.a, "short")
+    short.log_retention_days = 1
+    short.save()
+    long = make_model(world.a, "long")
+    long.log_retention_days = 30
+    long.save()
+    routes = {m.name: route_of(make_version(m, onnx_bytes)) for m in (short, long)}
+    for name, route in routes.items():
+        for age_days in (0, 2, 2, 2, 40):
+            make_log(route, f"{name}-{age_days}", timedelta(days=age_days, minutes=1))
+    now = timezone.now()
+    for request_id, age_days in (("recent", 2), ("month-old", 29), ("ancient", 31)):
+        Feedback.objects.create(
+            tenant=world.a,
+            request_id=request_id,
+            label=1,
+            received_at=now - timedelta(days=age_days),
+        )
+    # Tenant B has no model: its feedback is kept for the default retention (30 days).
+    Feedback.objects.create(
+        tenant=world.b, request_id="b-old", label=0, received_at=now - timedelta(days=31)
+    )
+    Feedback.objects.create(tenant=world.b, request_id="b-new", label=0, received_at=now)
+
+    assert purge_expired_logs() == {"prediction_logs": 4 + 1, "feedback": 2}
+    left = sorted(PredictionLog.objects.values_list("request_id", flat=True))
+    assert left == ["long-0", "long-2", "long-2", "long-2", "short-0"]
+    assert sorted(Feedback.objects.values_list("request_id", flat=True)) == [
+        "b-new",
+        "month-old",
+        "recent",
+    ]
+    assert purge_prediction_logs() == {"prediction_logs": 0, "feedback": 0}  # the beat task
