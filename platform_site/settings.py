@@ -156,6 +156,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "rollouts.tasks.evaluate_slos",
         "schedule": float(env("SWITCHYARD_SLO_INTERVAL_S", "60")),
     },
+    "purge-drift-reports": {
+        "task": "rollouts.tasks.purge_drift_reports",
+        "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
+    },
     "purge-prediction-logs": {
         "task": "gateway.tasks.purge_prediction_logs",
         "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
@@ -227,6 +231,11 @@ SWITCHYARD = {
     "PREDLOG_BUFFER": int(env("SWITCHYARD_PREDLOG_BUFFER", "10000")),
     "PREDLOG_BATCH": int(env("SWITCHYARD_PREDLOG_BATCH", "500")),
     "PREDLOG_FLUSH_S": float(env("SWITCHYARD_PREDLOG_FLUSH_S", "1")),
+    # Per-request Prometheus metrics on the data path (0 turns them off: the benchmark's
+    # baseline; /metrics still serves the fleet's).
+    "REQUEST_METRICS": env("SWITCHYARD_REQUEST_METRICS", "1") != "0",
+    # When set, GET /metrics needs it as a bearer token (metrics name tenants and models).
+    "METRICS_TOKEN": env("SWITCHYARD_METRICS_TOKEN", ""),
     # Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".
     "LOG_HASH_KEY": env("SWITCHYARD_LOG_HASH_KEY", ""),
 }
@@ -243,12 +252,28 @@ SCALING_HISTORY_HOURS = float(env("SWITCHYARD_SCALING_HISTORY_HOURS", "24"))
 
 # Alert webhooks are retried after this many seconds, doubling each time (five retries).
 SWITCHYARD_WEBHOOK_BACKOFF_S = float(env("SWITCHYARD_WEBHOOK_BACKOFF_S", "2"))
+# Webhooks on loopback or private addresses are refused (a tenant must not make the platform
+# call into its own network) unless this is set, e.g. for a receiver inside the cluster.
+SWITCHYARD_WEBHOOK_ALLOW_PRIVATE = env("SWITCHYARD_WEBHOOK_ALLOW_PRIVATE", "0") == "1"
+# SLIs and error budgets are measured over this many days (rollouts/slo.py).
+# Drift reports are kept this long (the drift page charts the last day).
+SWITCHYARD_DRIFT_HISTORY_DAYS = float(env("SWITCHYARD_DRIFT_HISTORY_DAYS", "30"))
+SWITCHYARD_SLO_WINDOW_DAYS = float(env("SWITCHYARD_SLO_WINDOW_DAYS", "30"))
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Records logged while a request is handled carry its request and trace ids.
+    "filters": {"trace": {"()": "gateway.tracing.TraceLogFilter"}},
+    "formatters": {
+        "plain": {
+            "format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s %(trace_id)s]: "
+            "%(message)s"
+        }
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["trace"]}
+    },
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
     "loggers": {"django.channels.server": {"level": "WARNING"}},
 }
