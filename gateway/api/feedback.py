@@ -1,0 +1,213 @@
+"""Ground-truth feedback, the prediction log and online quality over the API; every lookup
+goes through the caller's tenant."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiExample, extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from registry.models import Model
+from registry.services import models_of
+from tenants.authentication import TenantRolePermission
+
+from .. import quality
+from ..models import PredictionLog
+
+DEFAULT_SINCE = {"hour": timedelta(hours=24), "day": timedelta(days=30)}
+
+
+def _model(request, name: str) -> Model:
+    return get_object_or_404(models_of(request.caller.tenant_id), name=name)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float)  # bool is an int: True is class 1
+
+
+class LabelField(serializers.JSONField):
+    """A number (or boolean) for a one-row request, or a list of them, one per row."""
+
+    def to_internal_value(self, data):
+        if _is_number(data):
+            return data
+        if isinstance(data, list) and data and all(_is_number(v) or v is None for v in data):
+            return data
+        raise ValidationError(
+            "must be a number (a class index or a value) or a non-empty list of numbers, one "
+            "per row of the request (null for a row without a label)"
+        )
+
+
+class FeedbackItemSerializer(serializers.Serializer):
+    request_id = serializers.CharField(max_length=128)
+    label = LabelField()
+
+
+class FeedbackBulkSerializer(serializers.Serializer):
+    items = serializers.ListField(min_length=1, max_length=quality.MAX_FEEDBACK_ITEMS)
+
+
+class FeedbackResultSerializer(serializers.Serializer):
+    accepted = serializers.IntegerField(help_text="labels stored (a repeated request id once)")
+    matched = serializers.IntegerField(help_text="of those, request ids already in the log")
+
+
+def feedback_items(data: object) -> list[dict]:
+    """The labels of a single (``request_id`` and ``label``) or bulk (``items``) body; a bad
+    item is named by its index and field: ``items[3].label: …``."""
+    if not isinstance(data, dict):
+        raise ValidationError({"body": "must be a JSON object"})
+    if "items" not in data:
+        single = FeedbackItemSerializer(data=data)
+        single.is_valid(raise_exception=True)
+        return [single.validated_data]
+    if set(data) & {"request_id", "label"}:
+        raise ValidationError({"items": "send either items or one request_id and label"})
+    bulk = FeedbackBulkSerializer(data=data)
+    bulk.is_valid(raise_exception=True)
+    items = FeedbackItemSerializer(data=bulk.validated_data["items"], many=True)
+    if not items.is_valid():
+        # DRF reports a list's errors as {index: {field: problems}}, bad items only.
+        raise ValidationError(
+            {
+                f"items[{i}]" if name == "non_field_errors" else f"items[{i}].{name}": problems
+                for i, errors in items.errors.items()
+                for name, problems in errors.items()
+            }
+        )
+    return items.validated_data
+
+
+class FeedbackView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(
+        request=FeedbackItemSerializer,
+        responses=FeedbackResultSerializer,
+        examples=[
+            OpenApiExample("one", value={"request_id": "req-1", "label": 1}),
+            OpenApiExample(
+                "bulk",
+                value={
+                    "items": [{"request_id": "a", "label": 0}, {"request_id": "b", "label": [1, 0]}]
+                },
+            ),
+        ],
+        description="Ground-truth labels by request id (the `x-request-id` of the prediction), "
+        "one or up to 10 000 in `items`. A label sent again replaces the old one.",
+    )
+    def post(self, request):
+        accepted, matched = quality.record_feedback(
+            request.caller.tenant_id, feedback_items(request.data)
+        )
+        return Response({"accepted": accepted, "matched": matched})
+
+
+class PredictionFilter(serializers.Serializer):
+    version = serializers.IntegerField(required=False, min_value=1)
+    status = serializers.IntegerField(required=False, min_value=100, max_value=599)
+    request_id = serializers.CharField(required=False, max_length=128)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
+    offset = serializers.IntegerField(required=False, min_value=0, default=0)
+
+
+class PredictionLogSerializer(serializers.ModelSerializer):
+    version = serializers.IntegerField(source="version.version")
+    label = serializers.JSONField(allow_null=True)
+
+    class Meta:
+        model = PredictionLog
+        fields = [
+            "id",
+            "request_id",
+            "trace_id",
+            "version",
+            "arm",
+            "status",
+            "latency_ms",
+            "created_at",
+            "inputs",
+            "outputs",
+            "scores",
+            "label",
+        ]
+        read_only_fields = fields
+
+
+class PredictionPageSerializer(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = PredictionLogSerializer(many=True)
+
+
+class PredictionListView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[PredictionFilter], responses=PredictionPageSerializer)
+    def get(self, request, name: str):
+        model = _model(request, name)
+        where = PredictionFilter(data=request.query_params)
+        where.is_valid(raise_exception=True)
+        params = dict(where.validated_data)
+        limit, offset = params.pop("limit"), params.pop("offset")
+        rows = quality.logged_predictions(model, **params)
+        page = rows[offset : offset + limit]
+        return Response(
+            {"count": rows.count(), "results": PredictionLogSerializer(page, many=True).data}
+        )
+
+
+class QualityFilter(serializers.Serializer):
+    bucket = serializers.ChoiceField(choices=quality.BUCKETS, default="hour")
+    since = serializers.DateTimeField(
+        required=False, help_text="default: 24 hours ago (hourly) or 30 days ago (daily)"
+    )
+
+
+class QualityPointSerializer(serializers.Serializer):
+    bucket_start = serializers.DateTimeField()
+    version = serializers.IntegerField()
+    arm = serializers.CharField()
+    logged = serializers.IntegerField(help_text="successful requests logged")
+    labelled = serializers.IntegerField(help_text="of those, requests with a label")
+    labelled_rows = serializers.IntegerField(help_text="rows those labels cover (the metrics')")
+    accuracy = serializers.FloatField(required=False, allow_null=True)
+    auc = serializers.FloatField(required=False, allow_null=True)
+    mae = serializers.FloatField(required=False, allow_null=True)
+
+
+class QualitySerializer(serializers.Serializer):
+    model = serializers.CharField()
+    task = serializers.CharField()
+    bucket = serializers.CharField()
+    since = serializers.DateTimeField()
+    series = QualityPointSerializer(many=True)
+
+
+class QualityView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[QualityFilter], responses=QualitySerializer)
+    def get(self, request, name: str):
+        model = _model(request, name)
+        where = QualityFilter(data=request.query_params)
+        where.is_valid(raise_exception=True)
+        bucket = where.validated_data["bucket"]
+        since = where.validated_data.get("since") or timezone.now() - DEFAULT_SINCE[bucket]
+        series = quality.online_quality(request.caller.tenant_id, model, since, bucket)
+        body = {
+            "model": model.name,
+            "task": model.task,
+            "bucket": bucket,
+            "since": since,
+            "series": series,
+        }
+        return Response(QualitySerializer(body).data)

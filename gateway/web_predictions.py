@@ -1,0 +1,121 @@
+"""The web UI's prediction log page: a model's logged predictions with their labels, filtered and
+paged, and a chart of online quality per version and arm over time."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from urllib.parse import urlencode
+
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+
+from registry.services import models_of
+
+from .models import PredictionLog
+from .quality import BUCKETS, logged_predictions, online_quality
+from .web import page
+from .web_tenancy import tenant_view
+
+PAGE_SIZE = 50
+QUALITY_WINDOW = {"hour": timedelta(hours=48), "day": timedelta(days=30)}
+PREVIEW_COLUMNS = 4
+
+
+def _int_or_none(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
+
+
+@tenant_view
+def model_predictions(request: HttpRequest, name: str) -> HttpResponse:
+    model = get_object_or_404(models_of(request.membership.tenant_id), name=name)
+    filters = {k: request.GET.get(k, "").strip() for k in ("version", "status", "request_id")}
+    rows = logged_predictions(
+        model,
+        version=_int_or_none(filters["version"]),
+        status=_int_or_none(filters["status"]),
+        request_id=filters["request_id"] or None,
+    )
+    rows_page = Paginator(rows, PAGE_SIZE).get_page(request.GET.get("page"))
+    bucket = request.GET.get("bucket") if request.GET.get("bucket") in BUCKETS else "hour"
+    since = timezone.now() - QUALITY_WINDOW[bucket]
+    series = online_quality(model.tenant_id, model, since, bucket)
+    return page(
+        request,
+        "predictions.html",
+        {
+            "model": model,
+            "sample_percent": f"{model.log_sample_rate * 100:g}",
+            "versions": model.versions.order_by("-version").values_list("version", flat=True),
+            "filters": filters,
+            "query": urlencode({k: v for k, v in filters.items() if v}),
+            "page_obj": rows_page,
+            "rows": [display_row(r) for r in rows_page],
+            "bucket": bucket,
+            "chart": quality_chart(model.task, series),
+            "totals": quality_totals(series),
+        },
+    )
+
+
+def display_row(row: PredictionLog) -> dict:
+    """A log row as the table shows it: the first few input columns, scores and label."""
+    columns = list(row.inputs.items())
+    preview = ", ".join(f"{k}={_first(v)}" for k, v in columns[:PREVIEW_COLUMNS])
+    if len(columns) > PREVIEW_COLUMNS:
+        preview += f", … ({len(columns)} columns)"
+    rows = len(row.scores) or max((len(v) for _, v in columns if isinstance(v, list)), default=0)
+    return {
+        "log": row,
+        "rows": rows,
+        "inputs": preview,
+        "inputs_json": json.dumps(row.inputs)[:4000],
+        "scores": ", ".join("–" if s is None else f"{s:.3g}" for s in row.scores[:5])
+        + (" …" if len(row.scores) > 5 else ""),
+        "label": None if row.label is None else json.dumps(row.label)[:200],
+    }
+
+
+def _first(values: object) -> str:
+    if isinstance(values, dict):  # a high-rank input logged by its shape only
+        return f"shape {values.get('shape')}"
+    if not values:
+        return "[]"
+    first = values[0]
+    text = f"{first:.4g}" if isinstance(first, float) else str(first)
+    return text[:24] + (" …" if len(values) > 1 else "")
+
+
+METRICS = {"classifier": ("accuracy", "auc"), "regressor": ("mae",)}
+
+
+def quality_chart(task: str, series: list[dict]) -> dict:
+    """Plotly-ready lines: one per version and arm, with the metric per bucket."""
+    lines: dict[str, dict] = {}
+    metrics = METRICS.get(task, ())
+    for point in series:
+        name = f"v{point['version']}" + (f" · {point['arm']}" if point["arm"] else "")
+        line = lines.setdefault(
+            name, {"name": name, "t": [], "labelled_rows": [], **{m: [] for m in metrics}}
+        )
+        line["t"].append(point["bucket_start"].isoformat())
+        line["labelled_rows"].append(point["labelled_rows"])
+        for metric in metrics:
+            line[metric].append(point.get(metric))
+    return {"task": task, "metrics": list(metrics), "lines": list(lines.values())}
+
+
+def quality_totals(series: list[dict]) -> list[dict]:
+    """Logged and labelled counts per version and arm over the chart's window."""
+    counts = ("logged", "labelled", "labelled_rows")
+    totals: dict[tuple, dict] = {}
+    for point in series:
+        key = (point["version"], point["arm"])
+        total = totals.setdefault(
+            key, {"version": key[0], "arm": key[1], **dict.fromkeys(counts, 0)}
+        )
+        for count in counts:
+            total[count] += point[count]
+    return sorted(totals.values(), key=lambda t: (t["version"], t["arm"]))
