@@ -27,18 +27,32 @@ from .models import (
 )
 
 GUARDRAIL_KEYS = {"max_error_rate_increase", "max_p99_ratio", "min_samples"}
+# Optional: the candidate's drift PSI past which it is rolled back; absent means the model's
+# drift_threshold, null turns the drift check off.
+OPTIONAL_GUARDRAIL_KEYS = {"max_drift_psi", "max_quality_drop"}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def check_guardrails(guardrails: Any) -> dict:
     """A plan cannot start without guardrails: each threshold present and sensible."""
-    if not isinstance(guardrails, dict) or set(guardrails) != GUARDRAIL_KEYS:
+    keys = set(guardrails) if isinstance(guardrails, dict) else set()
+    if keys - OPTIONAL_GUARDRAIL_KEYS != GUARDRAIL_KEYS:
         raise ValidationError(
-            {"guardrails": f"a plan needs guardrails with exactly {sorted(GUARDRAIL_KEYS)}"}
+            {
+                "guardrails": f"a plan needs guardrails with exactly {sorted(GUARDRAIL_KEYS)} "
+                f"(and optionally {sorted(OPTIONAL_GUARDRAIL_KEYS)})"
+            }
         )
     for key in GUARDRAIL_KEYS:
-        value = guardrails[key]
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        if not _positive(guardrails[key]):
             raise ValidationError({"guardrails": f"{key} must be a positive number"})
+    for key in OPTIONAL_GUARDRAIL_KEYS:
+        value = guardrails.get(key)
+        if value is not None and not _positive(value):
+            raise ValidationError({"guardrails": f"{key} must be a positive number or null"})
     return guardrails
 
 

@@ -20,12 +20,13 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from gateway.quality import quality_by_version
 from platform_site.errors import Conflict, Forbidden
 from registry.models import Alias, Model, ModelVersion
 from registry.services import set_alias
 from tenants.models import Role
 
-from . import actions
+from . import actions, drift
 from .audit import Actor, audit
 from .metrics import arm_stats, metrics_diff, plan_arm_metrics
 from .models import (
@@ -233,8 +234,17 @@ def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
         return False, note
 
 
+def online_quality_evidence(req: ApprovalRequest, since) -> dict[str, dict]:
+    """Both versions' online quality from ground-truth feedback since ``since``."""
+    pairs = [("baseline", req.from_version_id), ("candidate", req.to_version_id)]
+    ids = [vid for _, vid in pairs if vid is not None]
+    measured = quality_by_version(ids, since)
+    return {name: measured.get(vid, {}) for name, vid in pairs if vid is not None}
+
+
 def evidence_now(req: ApprovalRequest) -> dict:
-    """Per-arm metrics and their diff, the shadow agreement, offline metrics and drift."""
+    """Per-arm metrics and their diff, the shadow agreement, offline metrics and the
+    candidate's latest drift report (None when it has none)."""
     offline = {
         "baseline": req.from_version.offline_metrics if req.from_version else None,
         "candidate": req.to_version.offline_metrics,
@@ -267,7 +277,8 @@ def evidence_now(req: ApprovalRequest) -> dict:
         "diff": metrics_diff(arms),
         "shadow": shadow,
         "offline_metrics": offline,
-        "drift": None,  # drift detection is not built yet
+        "drift": drift.evidence(req.to_version_id),
+        "quality": online_quality_evidence(req, since),
     }
 
 

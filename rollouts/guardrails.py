@@ -4,7 +4,13 @@ advance, hold, promote or roll back.
 The comparison stays honest at low traffic: nothing moves until both arms have ``min_samples``
 requests ("waiting for data"), and the error check is a one-sided two-proportion z-test of
 "candidate error rate exceeds baseline's by more than the allowed increase", so noise on a few
-requests neither rolls back a good candidate nor promotes a bad one.
+requests neither rolls back a good candidate nor promotes a bad one. The candidate's latest drift
+report since the plan started (``rollouts.drift``) is a breach too when its worst PSI is past
+the plan's ``max_drift_psi`` (absent: the model's ``drift_threshold``; null: not checked).
+With ``max_quality_drop`` set, online quality from ground-truth feedback (``gateway.quality``)
+is compared too, once both arms have ``min_samples`` labelled rows: a classifier's accuracy may
+fall at most that much below the baseline's (absolute), a regressor's MAE rise at most that
+share above it.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from datetime import datetime
 
 from django.utils import timezone
 
+from gateway.quality import quality_by_version
 from gateway.traffic import LATENCY_BOUNDS_MS
 
 from . import actions
 from .approvals import GUARDRAILS, promote_when_approved
+from .drift import describe, latest_report
 from .metrics import ArmStats, arm_stats
-from .models import PlanMode, PlanState, RolloutPlan
+from .models import DriftReport, PlanMode, PlanState, RolloutPlan
 
 Z_CRITICAL = 2.326  # one-sided, 1 % false-alarm rate
 
@@ -39,9 +47,17 @@ def error_increase_z(base: ArmStats, cand: ArmStats, allowed: float) -> float:
 
 
 def judge(
-    guardrails: dict, base: ArmStats, cand: ArmStats, baked: bool, last_step: bool
+    guardrails: dict,
+    base: ArmStats,
+    cand: ArmStats,
+    baked: bool,
+    last_step: bool,
+    drift: DriftReport | None = None,
+    drift_limit: float | None = None,
+    quality: tuple[dict, dict] | None = None,
 ) -> Verdict:
-    """The decision for one evaluation, from the two arms' numbers alone."""
+    """The decision for one evaluation, from the two arms' numbers, the candidate's latest
+    drift report and, when the plan asks, both arms' online quality (baseline, candidate)."""
     need = int(guardrails["min_samples"])
     if base.requests < need or cand.requests < need:
         return Verdict(
@@ -49,6 +65,11 @@ def judge(
             f"waiting for data: baseline {base.requests}/{need}, "
             f"candidate {cand.requests}/{need} requests",
         )
+    if drift is not None and drift_limit is not None and drift.max_psi > drift_limit:
+        return Verdict("rollback", f"drift: {describe(drift, drift_limit)}")
+    worse = quality_breach(guardrails, quality, need) if quality is not None else None
+    if worse is not None:
+        return Verdict("rollback", worse)
     z = error_increase_z(base, cand, guardrails["max_error_rate_increase"])
     if z > Z_CRITICAL:
         return Verdict(
@@ -63,6 +84,33 @@ def judge(
     if not baked:
         return Verdict("hold", "healthy, baking")
     return Verdict("promote" if last_step else "advance", "healthy past its bake time")
+
+
+def quality_breach(guardrails: dict, quality: tuple[dict, dict], need: int) -> str | None:
+    """Why the candidate's online quality is worse than allowed, or None (also while either
+    arm has fewer than ``need`` labelled rows: labels arrive late)."""
+    allowed = guardrails.get("max_quality_drop")
+    base, cand = quality
+    if allowed is None or min(base.get("labelled_rows", 0), cand.get("labelled_rows", 0)) < need:
+        return None
+    if base.get("accuracy") is not None and cand.get("accuracy") is not None:
+        if base["accuracy"] - cand["accuracy"] > allowed:
+            return (
+                f"online accuracy {cand['accuracy']:.3f} vs baseline {base['accuracy']:.3f} "
+                f"(allowed drop {allowed:g})"
+            )
+    if base.get("mae") is not None and cand.get("mae") is not None:
+        if cand["mae"] > base["mae"] * (1 + allowed):
+            return (
+                f"online MAE {cand['mae']:.4g} vs baseline {base['mae']:.4g} "
+                f"(allowed rise {allowed:.0%})"
+            )
+    return None
+
+
+def drift_limit_of(plan: RolloutPlan) -> float | None:
+    """The plan's ``max_drift_psi``; absent means the model's threshold, None no check."""
+    return plan.guardrails.get("max_drift_psi", plan.model.drift_threshold)
 
 
 def next_weight(plan: RolloutPlan) -> float | None:
@@ -82,7 +130,14 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     base = arm_stats(plan.baseline_id, base_since)
     cand = arm_stats(plan.candidate_id, plan.step_started_at)
     baked = (now - plan.step_started_at).total_seconds() >= plan.bake_seconds
-    verdict = judge(plan.guardrails, base, cand, baked, next_weight(plan) is None)
+    limit = drift_limit_of(plan)
+    drift = latest_report(plan.candidate_id, plan.created_at) if limit is not None else None
+    last_step = next_weight(plan) is None
+    quality = None
+    if plan.guardrails.get("max_quality_drop") is not None:
+        measured = quality_by_version([plan.baseline_id, plan.candidate_id], plan.created_at)
+        quality = (measured.get(plan.baseline_id, {}), measured.get(plan.candidate_id, {}))
+    verdict = judge(plan.guardrails, base, cand, baked, last_step, drift, limit, quality)
     if verdict.action == "rollback":
         actions.rollback(plan, GUARDRAILS, verdict.reason)
     elif verdict.action == "advance":

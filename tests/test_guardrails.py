@@ -151,3 +151,73 @@ def test_at_100_percent_the_baseline_is_judged_on_the_whole_plan(plan):
     )
     verdict = evaluate(plan, now=plan.step_started_at + timedelta(seconds=61))
     assert verdict.action == "hold" and "waiting for approval" in verdict.reason
+
+
+# Online quality from ground-truth feedback ----------------------------------------------------
+
+QUALITY_RAILS = {**RAILS, "max_quality_drop": 0.05}
+
+
+@pytest.mark.parametrize(
+    "base, cand, action",
+    [
+        (
+            {"labelled_rows": 500, "accuracy": 0.90},
+            {"labelled_rows": 500, "accuracy": 0.80},
+            "rollback",
+        ),
+        (
+            {"labelled_rows": 500, "accuracy": 0.90},
+            {"labelled_rows": 500, "accuracy": 0.87},
+            "advance",
+        ),
+        (
+            {"labelled_rows": 500, "accuracy": 0.90},
+            {"labelled_rows": 40, "accuracy": 0.10},
+            "advance",
+        ),
+        ({"labelled_rows": 500, "mae": 2.0}, {"labelled_rows": 500, "mae": 2.3}, "rollback"),
+        ({"labelled_rows": 500, "mae": 2.0}, {"labelled_rows": 500, "mae": 2.05}, "advance"),
+    ],
+)
+def test_online_quality_worse_than_allowed_rolls_back(base, cand, action):
+    verdict = judge(QUALITY_RAILS, stats(500), stats(500), True, False, quality=(base, cand))
+    assert verdict.action == action
+    if action == "rollback":
+        assert "online" in verdict.reason
+
+
+def log_labelled(plan, version_id: int, n: int, correct: int) -> None:
+    """``n`` logged one-row predictions of a version, ``correct`` of them labelled right."""
+    from gateway.models import Feedback, PredictionLog
+
+    now = timezone.now()
+    tenant_id = plan.model.tenant_id
+    for i in range(n):
+        rid = f"v{version_id}-{i}"
+        PredictionLog.objects.create(
+            tenant_id=tenant_id,
+            model=plan.model,
+            version_id=version_id,
+            request_id=rid,
+            scores=[0.9],
+            latency_ms=3.0,
+            status=200,
+            created_at=now,
+        )
+        Feedback.objects.create(
+            tenant_id=tenant_id, request_id=rid, label=1 if i < correct else 0, received_at=now
+        )
+
+
+def test_the_guardrails_roll_back_a_candidate_whose_online_accuracy_falls(plan):
+    plan.guardrails = QUALITY_RAILS
+    plan.save(update_fields=["guardrails"])
+    sample(plan.baseline_id, 500)
+    sample(plan.candidate_id, 500)
+    log_labelled(plan, plan.baseline_id, 120, correct=110)  # 0.92
+    log_labelled(plan, plan.candidate_id, 120, correct=90)  # 0.75
+    verdict = evaluate(plan)
+    assert verdict.action == "rollback" and "online accuracy 0.750" in verdict.reason
+    plan.refresh_from_db()
+    assert plan.state == PlanState.ROLLED_BACK

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from rollouts.api.drift import ReferenceUploadSerializer
+from rollouts.drift import normalize_reference, rows_from_csv
 
 from ..models import Alias, ArtifactFormat, Device, Model, ModelVersion
 
@@ -53,6 +60,44 @@ class VersionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+@extend_schema_field({"type": "string", "format": "binary"})
+class ReferenceField(serializers.Field):
+    """A drift reference sent with the version: a JSON file or field (``{"rows": [...]}`` or
+    ``{"columns": {...}}``, optional ``"scores"``), or a ``.csv`` file with a header row (a
+    ``_score`` column holds the scores). Checked here, so a bad one refuses the whole upload."""
+
+    def to_internal_value(self, data) -> dict:
+        text = data
+        if hasattr(data, "read"):  # an uploaded file
+            try:
+                text = data.read().decode("utf-8-sig")
+            except UnicodeDecodeError:
+                raise serializers.ValidationError("must be UTF-8 text: JSON or CSV") from None
+        try:
+            if hasattr(data, "read") and data.name.lower().endswith(".csv"):
+                rows, scores = rows_from_csv(text)
+                body = {"rows": rows} | ({"scores": scores} if scores else {})
+            else:
+                body = json.loads(text)
+        except ValueError:
+            raise serializers.ValidationError(
+                'must be JSON ({"rows": [...]} or {"columns": {...}}) or a CSV file'
+            ) from None
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.messages) from None
+        reference = ReferenceUploadSerializer(data=body)
+        if not reference.is_valid():
+            raise serializers.ValidationError(reference.errors)
+        try:
+            normalize_reference(**reference.validated_data)
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.message_dict) from None
+        return dict(reference.validated_data)
+
+    def to_representation(self, value):
+        return value
+
+
 class VersionUploadSerializer(serializers.Serializer):
     """A multipart upload; JSON-valued fields arrive as JSON strings."""
 
@@ -73,6 +118,9 @@ class VersionUploadSerializer(serializers.Serializer):
     max_input_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
     max_output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
     max_streams = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    reference = ReferenceField(
+        required=False, help_text="a drift reference sample: JSON rows or columns, or CSV"
+    )
 
     def validate_offline_metrics(self, value):
         if not isinstance(value, dict):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from django.db import IntegrityError
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
@@ -14,6 +15,7 @@ from rest_framework.views import APIView
 from rollouts.api.serializers import ApprovalSerializer
 from rollouts.api.views import actor_of, approval_response
 from rollouts.approvals import move_alias
+from rollouts.drift import set_reference_upload
 from rollouts.models import ApprovalRequest
 from tenants.authentication import TenantRolePermission
 
@@ -86,9 +88,16 @@ class VersionListView(APIView):
         artifact = data.pop("artifact").read()
         if "parent" in data:
             data["parent"] = _version(model, data["parent"])
-        version = services.create_version(
-            model, artifact, created_by_id=request.caller.user_id, **data
-        )
+        reference = data.pop("reference", None)
+        with transaction.atomic():  # a reference that does not fit the version undoes it
+            version = services.create_version(
+                model, artifact, created_by_id=request.caller.user_id, **data
+            )
+            if reference is not None:
+                try:
+                    set_reference_upload(version, actor_of(request), **reference)
+                except DjangoValidationError as exc:
+                    raise ValidationError({"reference": exc.messages}) from None
         return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
 

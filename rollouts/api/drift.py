@@ -1,0 +1,205 @@
+"""Drift over the API: a version's reference sample (read, upload, or choose a past window of
+its logged predictions) and the model's drift reports. Serializers and thin views over
+``rollouts.drift``.
+"""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from registry.models import Model, ModelVersion
+from registry.services import models_of
+from tenants.authentication import TenantRolePermission
+
+from ..drift import reference_summary, set_reference_upload, set_reference_window
+from ..models import DriftReport, ReferenceSample
+from .views import actor_of
+
+# Serializers ---------------------------------------------------------------------------------
+
+
+class ReferenceUploadSerializer(serializers.Serializer):
+    """A reference sample as rows or as columns, with an optional score per row."""
+
+    rows = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        help_text='[{"age": 41, "plan": "pro"}, ...]',
+    )
+    columns = serializers.DictField(
+        child=serializers.ListField(),
+        required=False,
+        help_text='{"age": [41, 35, ...], "plan": ["pro", "free", ...]}',
+    )
+    scores = serializers.ListField(
+        child=serializers.FloatField(allow_null=True),
+        required=False,
+        help_text="the model's score per row (positive-class probability or regressor value)",
+    )
+
+    def validate(self, data: dict) -> dict:
+        if ("rows" in data) == ("columns" in data):
+            raise serializers.ValidationError("send exactly one of 'rows' or 'columns'")
+        return data
+
+
+class ReferenceWindowSerializer(serializers.Serializer):
+    """A past window of the version's own logged predictions to use as its reference."""
+
+    window_start = serializers.DateTimeField()
+    window_end = serializers.DateTimeField()
+
+
+class ReferenceSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="version.model.name", read_only=True)
+    version = serializers.IntegerField(source="version.version", read_only=True)
+    scores = serializers.SerializerMethodField(help_text="rows that carry a score")
+    features = serializers.SerializerMethodField(
+        help_text="per feature: kind, type, values, nulls, and min/max/mean or categories"
+    )
+    uploaded_by = serializers.CharField(source="uploaded_by.username", default=None)
+
+    class Meta:
+        model = ReferenceSample
+        fields = [
+            "model",
+            "version",
+            "source",
+            "rows",
+            "scores",
+            "window_start",
+            "window_end",
+            "uploaded_by",
+            "created_at",
+            "features",
+        ]
+        read_only_fields = fields
+
+    def get_scores(self, sample: ReferenceSample) -> int:
+        return sum(s is not None for s in sample.scores)
+
+    def get_features(self, sample: ReferenceSample) -> dict[str, dict]:
+        return reference_summary(sample)
+
+
+class DriftReportSerializer(serializers.ModelSerializer):
+    version = serializers.IntegerField(source="version.version", read_only=True)
+    features = serializers.JSONField(
+        help_text="per feature: kind, psi, ks and ks_pvalue (numeric) or distance (categorical, "
+        'Jensen-Shannon), flagged, and histograms: "edges" or "categories" with "reference" '
+        'and "current" shares'
+    )
+    score = serializers.JSONField(help_text="the same on the output scores (null if none)")
+    quality = serializers.JSONField(
+        help_text="per feature: nulls, out_of_range and schema violations in the window"
+    )
+
+    class Meta:
+        model = DriftReport
+        fields = [
+            "id",
+            "version",
+            "created_at",
+            "window_start",
+            "window_end",
+            "reference_source",
+            "rows_current",
+            "rows_reference",
+            "threshold",
+            "max_psi",
+            "flagged",
+            "features",
+            "score",
+            "quality",
+        ]
+        read_only_fields = fields
+
+
+class DriftFilter(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
+
+
+# Views ---------------------------------------------------------------------------------------
+
+
+def _model(request, name: str) -> Model:
+    return get_object_or_404(models_of(request.caller.tenant_id), name=name)
+
+
+def _version(model: Model, number: int) -> ModelVersion:
+    found = model.versions.select_related("model").filter(version=number).first()
+    if found is None:
+        raise NotFound(f"model {model.name!r} has no version {number}")
+    return found
+
+
+def _valid(serializer_class, data) -> dict:
+    body = serializer_class(data=data)
+    body.is_valid(raise_exception=True)
+    return dict(body.validated_data)
+
+
+class ReferenceView(APIView):
+    """A version's drift reference: what it is (GET), an uploaded sample (PUT), or a past window
+    of its logged predictions (POST). Either write replaces the reference and is audited."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    def _version(self, request, name: str, version: int) -> ModelVersion:
+        return _version(_model(request, name), version)
+
+    @extend_schema(summary="The version's drift reference", responses=ReferenceSerializer)
+    def get(self, request, name: str, version: int):
+        found = self._version(request, name, version)
+        sample = ReferenceSample.objects.filter(version=found).first()
+        if sample is None:
+            raise NotFound(f"{name} v{version} has no drift reference yet")
+        return Response(ReferenceSerializer(sample).data)
+
+    @extend_schema(
+        summary="Upload a reference sample (rows or columns)",
+        request=ReferenceUploadSerializer,
+        responses=ReferenceSerializer,
+    )
+    def put(self, request, name: str, version: int):
+        found = self._version(request, name, version)
+        body = _valid(ReferenceUploadSerializer, request.data)
+        sample = set_reference_upload(found, actor_of(request), **body)
+        return Response(ReferenceSerializer(sample).data)
+
+    @extend_schema(
+        summary="Use a past window of the version's logged predictions as its reference",
+        request=ReferenceWindowSerializer,
+        responses=ReferenceSerializer,
+    )
+    def post(self, request, name: str, version: int):
+        found = self._version(request, name, version)
+        body = _valid(ReferenceWindowSerializer, request.data)
+        sample = set_reference_window(
+            found, body["window_start"], body["window_end"], actor_of(request)
+        )
+        return Response(ReferenceSerializer(sample).data)
+
+
+class DriftReportListView(APIView):
+    """The model's drift reports, newest first (``?version=N`` for one version)."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[DriftFilter], responses=DriftReportSerializer(many=True))
+    def get(self, request, name: str):
+        model = _model(request, name)
+        where = _valid(DriftFilter, request.query_params)
+        reports = DriftReport.objects.filter(model=model).select_related("version")
+        if "version" in where:
+            reports = reports.filter(version=_version(model, where["version"]))
+        found = reports.order_by("-created_at")[: where["limit"]]
+        return Response(DriftReportSerializer(found, many=True).data)

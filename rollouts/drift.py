@@ -1,0 +1,649 @@
+"""Drift: how far a version's recent inputs and scores have moved from its reference sample, and
+data-quality counts on the recent window. The beat task writes one ``DriftReport`` per version
+per run and raises (or resolves) the version's drift alert; the guardrails read the reports.
+
+Measures, per feature and on the output scores:
+
+- PSI (population stability index) over bins fixed by the reference:
+  ``PSI = sum_i (c_i - r_i) * ln(c_i / r_i)`` where ``r_i`` and ``c_i`` are the reference's and
+  the current window's shares in bin ``i``, each floored at ``EPSILON`` so an empty bin gives a
+  large but finite term. Numeric bins are the reference's deciles (deduplicated), the outer two
+  open-ended, so values beyond the reference's range land in the first or last bin. Rule of
+  thumb: below 0.1 stable, 0.1–0.2 moderate, above 0.2 (the default threshold) a real shift.
+- Numeric features: the two-sample Kolmogorov–Smirnov statistic and p-value (``ks_2samp``).
+- Categorical features: PSI over categories and the Jensen–Shannon distance (base 2: 0 for the
+  same distribution, 1 for disjoint ones). Current values never seen in the reference share one
+  ``(unseen)`` category.
+
+A feature is categorical when its reference values are strings or booleans, or numbers with at
+most ``CATEGORICAL_MAX_DISTINCT`` distinct values (codes, flags, small counts): deciles of such a
+feature collapse into a few uneven bins, while categories compare them exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+from scipy.spatial.distance import jensenshannon
+from scipy.stats import ks_2samp
+
+from gateway.models import PredictionLog
+from registry.models import Model, ModelVersion
+
+from .alerts import raise_alert, resolve_alert
+from .audit import Actor, audit
+from .models import AlertKind, DriftReport, ReferenceSample
+
+log = logging.getLogger(__name__)
+
+MIN_ROWS = 30  # below this many rows (window or reference) PSI and KS are noise: no report
+BINS = 10
+EPSILON = 1e-4
+CATEGORICAL_MAX_DISTINCT = 10
+MAX_CATEGORIES = 30  # the reference's most frequent categories; the rest share "(other)"
+MAX_ROWS = 100_000  # rows read from a window and kept in a reference (bounds memory and JSON)
+UNSEEN = "(unseen)"
+OTHER = "(other)"
+SCORE = "score"
+
+
+class _Missing:
+    """A feature absent from a logged request (a schema violation, unlike a null value)."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+# The measures ---------------------------------------------------------------------------------
+
+
+def bin_edges(reference: np.ndarray, bins: int = BINS) -> np.ndarray:
+    """The reference's quantiles, deduplicated (a value repeated across deciles is one edge)."""
+    return np.unique(np.quantile(reference, np.linspace(0, 1, bins + 1)))
+
+
+def bin_shares(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Share of ``values`` per bin; the outer bins are open-ended (``edges`` has one more entry
+    than there are bins, its first and last only mark the reference's range)."""
+    index = np.searchsorted(edges[1:-1], values, side="right")
+    counts = np.bincount(index, minlength=len(edges) - 1)
+    return counts / max(len(values), 1)
+
+
+def psi_of_shares(reference: np.ndarray, current: np.ndarray) -> float:
+    r = np.maximum(np.asarray(reference, dtype=float), EPSILON)
+    c = np.maximum(np.asarray(current, dtype=float), EPSILON)
+    return float(np.sum((c - r) * np.log(c / r)))
+
+
+def psi(reference: Any, current: Any, bins: int = BINS) -> float:
+    """PSI of two numeric samples over the reference's quantile bins (see the module doc)."""
+    reference = np.asarray(reference, dtype=float)
+    edges = bin_edges(reference, bins)
+    return psi_of_shares(
+        bin_shares(reference, edges), bin_shares(np.asarray(current, dtype=float), edges)
+    )
+
+
+def ks(reference: Any, current: Any) -> tuple[float, float]:
+    """The two-sample Kolmogorov–Smirnov statistic and its p-value."""
+    result = ks_2samp(np.asarray(reference, dtype=float), np.asarray(current, dtype=float))
+    return float(result.statistic), float(result.pvalue)
+
+
+# Values, types and the reference's profile of a feature --------------------------------------
+
+
+def value_type(value: Any) -> str | None:
+    """ "number", "string" or "boolean"; None for a null (NaN and infinities count as null);
+    "other" for lists and objects."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "other"
+
+
+def category(value: Any) -> str:
+    """A value's category label: the same for 1 and 1.0, JSON-safe as a key and in charts."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(int(value)) if float(value).is_integer() else repr(float(value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the reference says about one feature: its type, kind and valid values."""
+
+    kind: str  # "numeric" or "categorical"
+    type: str  # "number", "string" or "boolean": another type in the window is a violation
+    values: np.ndarray | list[str]  # floats (numeric) or category labels (categorical)
+
+    @property
+    def low(self) -> float:
+        return float(np.min(self.values))
+
+    @property
+    def high(self) -> float:
+        return float(np.max(self.values))
+
+
+def profile(values: list) -> Profile | None:
+    """The reference profile of one feature, or None when it holds no usable value."""
+    types = Counter(t for t in map(value_type, values) if t in ("number", "string", "boolean"))
+    if not types:
+        return None
+    vtype = types.most_common(1)[0][0]
+    valid = [v for v in values if value_type(v) == vtype]
+    if vtype == "number" and len(set(valid)) > CATEGORICAL_MAX_DISTINCT:
+        return Profile("numeric", vtype, np.asarray(valid, dtype=float))
+    return Profile("categorical", vtype, [category(v) for v in valid])
+
+
+def split_window(values: list, ref: Profile) -> tuple[list, dict[str, int]]:
+    """The window's valid values of one feature and its quality counts: nulls, out of range
+    (outside the reference's [min, max], or a category the reference never had) and schema
+    violations (the feature missing from a request, or a value of another type)."""
+    valid, nulls, schema = [], 0, 0
+    for value in values:
+        vtype = None if value is MISSING else value_type(value)
+        if value is MISSING or (vtype is not None and vtype != ref.type):
+            schema += 1
+        elif vtype is None:
+            nulls += 1
+        else:
+            valid.append(value)
+    if ref.kind == "numeric":
+        current = np.asarray(valid, dtype=float)
+        out = int(np.count_nonzero((current < ref.low) | (current > ref.high)))
+    else:
+        seen = set(ref.values)
+        out = sum(category(v) not in seen for v in valid)
+    return valid, {"nulls": nulls, "out_of_range": out, "schema": schema}
+
+
+def compare(ref: Profile, valid: list, threshold: float) -> dict:
+    """One feature's (or the scores') entry of a report: distances and chart histograms."""
+    entry: dict[str, Any] = {"kind": ref.kind, "values": len(valid)}
+    if len(valid) < MIN_ROWS:
+        return entry | {"psi": None, "flagged": False}
+    if ref.kind == "numeric":
+        current = np.asarray(valid, dtype=float)
+        edges = bin_edges(ref.values)
+        r, c = bin_shares(ref.values, edges), bin_shares(current, edges)
+        statistic, pvalue = ks(ref.values, current)
+        entry |= {"ks": statistic, "ks_pvalue": pvalue, "edges": edges.tolist()}
+    else:
+        names, r, c = category_shares(ref.values, [category(v) for v in valid])
+        entry |= {"distance": float(jensenshannon(r, c, base=2)), "categories": names}
+    value = psi_of_shares(r, c)
+    return entry | {
+        "psi": value,
+        "flagged": value > threshold,
+        "reference": np.round(r, 6).tolist(),
+        "current": np.round(c, 6).tolist(),
+    }
+
+
+def category_shares(
+    reference: list[str], current: list[str]
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Shares over the reference's categories (most frequent first, the tail as "(other)"),
+    with current values the reference never had as "(unseen)"."""
+    counts = Counter(reference)
+    kept = [name for name, _ in counts.most_common(MAX_CATEGORIES)]
+    names = kept + [OTHER] if len(counts) > len(kept) else kept
+    index = {name: i for i, name in enumerate(kept)}
+
+    def shares(labels: list[str]) -> np.ndarray:
+        bucket = np.zeros(len(names) + 1)  # the last slot is "(unseen)"
+        for label in labels:
+            # A seen label outside the kept ones can only exist when "(other)" does.
+            slot = index.get(label, len(kept) if label in counts else len(names))
+            bucket[slot] += 1
+        return bucket / max(len(labels), 1)
+
+    r, c = shares(reference), shares(current)
+    if c[-1] > 0:
+        return names + [UNSEEN], r, c
+    return names, r[:-1], c[:-1]
+
+
+# Windows of logged predictions ----------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """Logged predictions as columns (``MISSING`` where a request lacked a feature)."""
+
+    columns: dict[str, list]
+    scores: list
+    rows: int
+
+
+def read_window(version_id: int, start: datetime, end: datetime, limit: int = MAX_ROWS) -> Window:
+    """The version's successful logged predictions in (start, end], newest first up to
+    ``limit`` rows."""
+    logs = (
+        PredictionLog.objects.filter(
+            version_id=version_id, status=200, created_at__gt=start, created_at__lte=end
+        )
+        .order_by("-created_at")
+        .values_list("inputs", "scores")
+    )
+    batches, scores, rows = [], [], 0
+    for inputs, logged_scores in logs.iterator(chunk_size=500):
+        inputs = inputs if isinstance(inputs, dict) else {}
+        lengths = [len(col) for col in inputs.values() if isinstance(col, list)]
+        n = max(lengths, default=len(logged_scores) if isinstance(logged_scores, list) else 0)
+        if n == 0:
+            continue
+        batches.append((inputs, n))
+        # One score per row, null where the log has none, so scores stay aligned with rows.
+        logged_scores = logged_scores[:n] if isinstance(logged_scores, list) else []
+        scores.extend(logged_scores + [None] * (n - len(logged_scores)))
+        rows += n
+        if rows >= limit:
+            break
+    names = sorted({name for inputs, _ in batches for name in inputs})
+    columns: dict[str, list] = {name: [] for name in names}
+    for inputs, n in batches:
+        for name in names:
+            col = inputs.get(name)
+            col = col[:n] if isinstance(col, list) else []
+            columns[name].extend(col + [MISSING] * (n - len(col)))
+    return Window(columns, scores, rows)
+
+
+# Reports --------------------------------------------------------------------------------------
+
+
+def compare_columns(
+    reference: dict[str, list], window: Window, threshold: float
+) -> tuple[dict, dict]:
+    """Per-feature report entries and quality counts; a feature the reference lacks is a
+    schema violation on every row that carries a value for it."""
+    features, quality = {}, {}
+    for name, values in reference.items():
+        ref = profile(values)
+        if ref is None:
+            continue
+        current = window.columns.get(name, [MISSING] * window.rows)
+        valid, quality[name] = split_window(current, ref)
+        features[name] = compare(ref, valid, threshold)
+    for name in window.columns.keys() - reference.keys():
+        present = sum(v is not MISSING for v in window.columns[name])
+        quality[name] = {"nulls": 0, "out_of_range": 0, "schema": present}
+    return features, quality
+
+
+def compare_scores(reference: list, current: list, threshold: float) -> dict | None:
+    ref = profile(reference)
+    if ref is None or len(ref.values) < MIN_ROWS:
+        return None
+    valid, _ = split_window(current, ref)
+    return compare(ref, valid, threshold)
+
+
+def detect_drift(version: ModelVersion, now: datetime | None = None) -> DriftReport | None:
+    """Compare the version's window of logged predictions (its model's ``drift_window_minutes``
+    up to ``now``) with its reference; store the report and raise or resolve its alert.
+
+    None, with nothing stored and the alert left as it is, when the version has no reference or
+    either side has fewer than ``MIN_ROWS`` rows: too little to judge either way.
+    """
+    now = now or timezone.now()
+    model = version.model
+    reference = ReferenceSample.objects.filter(version=version).first()
+    if reference is None or reference.rows < MIN_ROWS:
+        return None
+    start = now - timedelta(minutes=model.drift_window_minutes)
+    window = read_window(version.pk, start, now)
+    if window.rows < MIN_ROWS:
+        return None
+    threshold = model.drift_threshold
+    features, quality = compare_columns(reference.columns, window, threshold)
+    score = compare_scores(reference.scores, window.scores, threshold)
+    flagged = [name for name, entry in features.items() if entry["flagged"]]
+    if score is not None and score["flagged"]:
+        flagged.append(SCORE)
+    measured = [e["psi"] for e in [*features.values(), score] if e and e["psi"] is not None]
+    report = DriftReport.objects.create(
+        tenant_id=model.tenant_id,
+        model=model,
+        version=version,
+        window_start=start,
+        window_end=now,
+        reference_source=reference.source,
+        rows_current=window.rows,
+        rows_reference=reference.rows,
+        threshold=threshold,
+        features=features,
+        score=score,
+        quality=quality,
+        flagged=flagged,
+        max_psi=max(measured, default=0.0),
+        created_at=now,
+    )
+    _alert(report, version)
+    return report
+
+
+def past_threshold(report: DriftReport, limit: float) -> list[tuple[str, float]]:
+    """(name, PSI) of the features (and the scores) whose PSI is past ``limit``, worst first."""
+    entries = {**report.features, **({SCORE: report.score} if report.score else {})}
+    found = [(n, e["psi"]) for n, e in entries.items() if e.get("psi") is not None]
+    return sorted(((n, v) for n, v in found if v > limit), key=lambda item: -item[1])
+
+
+def describe(report: DriftReport, limit: float) -> str:
+    """ "age PSI 0.41, score PSI 0.25 (threshold 0.2)"."""
+    named = ", ".join(f"{name} PSI {value:.2f}" for name, value in past_threshold(report, limit))
+    return f"{named or 'nothing'} (threshold {limit:g})"
+
+
+def _alert(report: DriftReport, version: ModelVersion) -> None:
+    key = f"drift:{version.pk}"
+    if not report.flagged:
+        resolve_alert(report.tenant_id, key)
+        return
+    minutes = version.model.drift_window_minutes
+    raise_alert(
+        report.tenant_id,
+        AlertKind.DRIFT,
+        key,
+        f"Drift on {version.model.name} v{version.version}",
+        f"{describe(report, report.threshold)} over the last {minutes} min "
+        f"({report.rows_current} rows; reference: {report.reference_source})",
+        model_id=report.model_id,
+        details={"report": report.pk, "flagged": report.flagged, "max_psi": report.max_psi},
+    )
+
+
+def detect_all(now: datetime | None = None) -> dict[str, int]:
+    """Reports for every version with a reference and logged predictions in its model's
+    window; returns how many versions were checked, reported, flagged and failed."""
+    now = now or timezone.now()
+    counts = {"versions": 0, "reports": 0, "flagged": 0, "failed": 0}
+    for model in Model.objects.filter(versions__reference__isnull=False).distinct():
+        since = now - timedelta(minutes=model.drift_window_minutes)
+        logged = PredictionLog.objects.filter(
+            model=model, status=200, created_at__gt=since, created_at__lte=now
+        ).values("version_id")
+        versions = model.versions.filter(pk__in=logged, reference__isnull=False)
+        for version in versions.select_related("model"):
+            counts["versions"] += 1
+            try:
+                report = detect_drift(version, now)
+            except Exception:
+                # One tenant's malformed data must not stop the others' drift checks.
+                log.exception("drift check of version %s failed", version.pk)
+                counts["failed"] += 1
+                continue
+            if report is not None:
+                counts["reports"] += 1
+                counts["flagged"] += bool(report.flagged)
+    return counts
+
+
+def purge_reports(now: datetime | None = None) -> int:
+    """Delete drift reports past ``SWITCHYARD_DRIFT_HISTORY_DAYS`` (one per version a minute
+    adds up); returns how many."""
+    horizon = (now or timezone.now()) - timedelta(days=settings.SWITCHYARD_DRIFT_HISTORY_DAYS)
+    deleted, _ = DriftReport.objects.filter(created_at__lt=horizon).delete()
+    return deleted
+
+
+def latest_report(version_id: int, since: datetime | None = None) -> DriftReport | None:
+    reports = DriftReport.objects.filter(version_id=version_id)
+    if since is not None:
+        reports = reports.filter(created_at__gte=since)
+    return reports.order_by("-created_at").first()
+
+
+def evidence(version_id: int) -> dict | None:
+    """The candidate's latest drift report, as an approval's evidence shows it."""
+    report = latest_report(version_id)
+    if report is None:
+        return None
+    return {
+        "report": report.pk,
+        "at": report.created_at.isoformat(),
+        "window_minutes": round((report.window_end - report.window_start).total_seconds() / 60),
+        "rows": report.rows_current,
+        "max_psi": round(report.max_psi, 4),
+        "threshold": report.threshold,
+        "flagged": report.flagged,
+    }
+
+
+# References -----------------------------------------------------------------------------------
+
+
+def normalize_reference(
+    columns: dict[str, list] | None = None,
+    rows: list[dict] | None = None,
+    scores: list | None = None,
+) -> tuple[dict[str, list], list]:
+    """Columns from either shape, checked: equal lengths, scalar values, MIN_ROWS to MAX_ROWS
+    rows, and one number per row in ``scores`` when given. Errors name the field."""
+    if (columns is None) == (rows is None):
+        raise ValidationError("send exactly one of 'rows' or 'columns'")
+    if rows is not None:
+        if not rows:
+            raise ValidationError({"rows": f"needs {MIN_ROWS} to {MAX_ROWS} rows, got 0"})
+        if not all(isinstance(row, dict) for row in rows):
+            raise ValidationError({"rows": "each row must be an object of feature name to value"})
+        names = list(dict.fromkeys(name for row in rows for name in row))
+        columns = {name: [row.get(name) for row in rows] for name in names}
+        field = "rows"
+    else:
+        field = "columns"
+    if not columns:
+        raise ValidationError({field: "the reference has no features"})
+    lengths = {len(values) for values in columns.values()}
+    if len(lengths) > 1:
+        raise ValidationError({field: f"columns differ in length: {sorted(lengths)}"})
+    n = lengths.pop()
+    if not MIN_ROWS <= n <= MAX_ROWS:
+        raise ValidationError({field: f"needs {MIN_ROWS} to {MAX_ROWS} rows, got {n}"})
+    for name, values in columns.items():
+        if not isinstance(name, str) or not name:
+            raise ValidationError({field: "feature names must be non-empty strings"})
+        bad = next((v for v in values if value_type(v) == "other"), None)
+        if bad is not None:
+            raise ValidationError(
+                {field: f"{name}: values must be numbers, strings, booleans or null, not {bad!r}"}
+            )
+    # NaN and infinities are nulls here, and PostgreSQL's JSON refuses them.
+    columns = {name: [_finite(v) for v in values] for name, values in columns.items()}
+    scores = [_finite(s) for s in scores or []]
+    if scores and len(scores) != n:
+        raise ValidationError({"scores": f"has {len(scores)} values for {n} rows"})
+    if any(value_type(s) not in ("number", None) for s in scores):
+        raise ValidationError({"scores": "must be numbers (or null)"})
+    return columns, scores
+
+
+def _finite(value: Any) -> Any:
+    return None if value_type(value) is None else value
+
+
+def rows_from_csv(text: str) -> tuple[list[dict], list]:
+    """Rows from CSV text with a header row: empty cells are null, numbers parsed; a ``_score``
+    column holds the scores."""
+    reader = csv.DictReader(io.StringIO(text))
+    if not reader.fieldnames:
+        raise ValidationError("the CSV file has no header row")
+
+    def cell(text: str | None) -> Any:
+        if text is None or text.strip() == "":
+            return None
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        if not math.isfinite(number):
+            return None
+        return int(number) if number.is_integer() and "." not in text else number
+
+    try:
+        rows = [{name: cell(value) for name, value in row.items() if name} for row in reader]
+    except csv.Error as exc:
+        raise ValidationError(f"unreadable CSV: {exc}") from None
+    scores = [row.pop("_score", None) for row in rows] if "_score" in reader.fieldnames else []
+    return rows, scores
+
+
+def expected_features(version: ModelVersion) -> list[str] | None:
+    """The column names the prediction log gives a version's inputs (``gateway.predlog``): a
+    2-D input's feature names (or ``input[j]``), a 1-D or [n, 1] input's own name; None when a
+    dynamic width leaves them unknown."""
+    names: list[str] = []
+    for spec in version.inputs or []:
+        shape = spec.get("shape") or []
+        if len(shape) > 2:
+            continue  # images and sequences are logged as their shape only
+        if len(shape) < 2 or shape[1] == 1:
+            names.append(spec["name"])
+        elif len(version.feature_names) == shape[1] or (shape[1] < 1 and version.feature_names):
+            names += version.feature_names
+        elif shape[1] < 1:
+            return None
+        else:
+            names += [f"{spec['name']}[{j}]" for j in range(shape[1])]
+    return names
+
+
+def set_reference_upload(
+    version: ModelVersion,
+    actor: Actor,
+    *,
+    columns: dict[str, list] | None = None,
+    rows: list[dict] | None = None,
+    scores: list | None = None,
+) -> ReferenceSample:
+    """Make an uploaded sample the version's drift reference (replacing any), audited."""
+    columns, scores = normalize_reference(columns, rows, scores)
+    field = "columns" if rows is None else "rows"
+    known = expected_features(version)
+    unknown = sorted(set(columns) - set(known)) if known is not None else []
+    if unknown:
+        problem = f"unknown features {unknown}; v{version.version} logs {known}"
+        raise ValidationError({field: problem})
+    # The log keeps these redacted or hashed: raw reference values would never compare.
+    personal = sorted(set(columns) & set(version.personal_fields or {}))
+    if personal:
+        problem = f"{personal} are personal fields, logged redacted or hashed: leave them out"
+        raise ValidationError({field: problem})
+    n = len(next(iter(columns.values())))
+    return _save_reference(version, actor, "upload", columns, scores, n, None, None)
+
+
+def set_reference_window(
+    version: ModelVersion, start: datetime, end: datetime, actor: Actor
+) -> ReferenceSample:
+    """Copy a past window of the version's logged predictions into its reference, audited; a
+    window over ``MAX_ROWS`` rows is thinned evenly rather than cut at one end."""
+    if start >= end:
+        raise ValidationError({"window_end": "must be after window_start"})
+    if end > timezone.now():
+        raise ValidationError({"window_end": "must not be in the future"})
+    window = read_window(version.pk, start, end, limit=10 * MAX_ROWS)
+    if window.rows < MIN_ROWS:
+        raise ValidationError(
+            {"window_start": f"the window holds {window.rows} logged rows; at least {MIN_ROWS}"}
+        )
+    keep = np.linspace(0, window.rows - 1, min(window.rows, MAX_ROWS)).round().astype(int)
+    columns = {
+        name: [None if values[i] is MISSING else values[i] for i in keep]
+        for name, values in window.columns.items()
+    }
+    scores = [window.scores[i] for i in keep]
+    if all(s is None for s in scores):
+        scores = []
+    return _save_reference(version, actor, "window", columns, scores, len(keep), start, end)
+
+
+def _save_reference(
+    version: ModelVersion,
+    actor: Actor,
+    source: str,
+    columns: dict[str, list],
+    scores: list,
+    rows: int,
+    start: datetime | None,
+    end: datetime | None,
+) -> ReferenceSample:
+    before = ReferenceSample.objects.filter(version=version).first()
+    with transaction.atomic():
+        # Two replacements racing: the one-to-one row keeps the last writer's; both are audited.
+        sample, _ = ReferenceSample.objects.update_or_create(
+            version=version,
+            defaults={
+                "source": source,
+                "columns": columns,
+                "scores": scores,
+                "rows": rows,
+                "window_start": start,
+                "window_end": end,
+                "uploaded_by_id": actor.user_id,
+            },
+        )
+        audit(
+            version.model.tenant_id,
+            actor,
+            "drift.reference",
+            f"{version.model.name} v{version.version}",
+            before=_audit_view(before) if before else None,
+            after=_audit_view(sample),
+        )
+    return sample
+
+
+def _audit_view(sample: ReferenceSample) -> dict:
+    view = {"source": sample.source, "rows": sample.rows, "features": sorted(sample.columns)}
+    if sample.window_start:
+        view |= {"window_start": sample.window_start.isoformat()}
+        view |= {"window_end": sample.window_end.isoformat()}
+    return view
+
+
+def reference_summary(sample: ReferenceSample) -> dict[str, dict]:
+    """Per feature of a reference: kind, type, non-null count, nulls, and range or top
+    categories (what the API's GET shows)."""
+    summary = {}
+    for name, values in sample.columns.items():
+        ref = profile(values)
+        nulls = sum(value_type(v) is None for v in values)
+        if ref is None:
+            summary[name] = {"kind": None, "values": 0, "nulls": nulls}
+            continue
+        entry = {"kind": ref.kind, "type": ref.type, "values": len(ref.values), "nulls": nulls}
+        if ref.kind == "numeric":
+            entry |= {"min": ref.low, "max": ref.high, "mean": float(np.mean(ref.values))}
+        else:
+            entry |= {"categories": dict(Counter(ref.values).most_common(MAX_CATEGORIES))}
+        summary[name] = entry
+    return summary
