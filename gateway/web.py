@@ -12,6 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from registry.services import models_of
+from rollouts.alerts import open_alerts
 from rollouts.approvals import evidence_of, pending_count
 from rollouts.audit import audit_events
 from rollouts.models import ApprovalRequest, AuditEvent, PlanMode, RequestState, RolloutPlan
@@ -21,11 +22,12 @@ from .web_data import dashboard_snapshot, fleet_snapshot, plan_snapshot
 from .web_tenancy import SESSION_KEY, can_write, memberships_of, tenant_view
 
 AUDIT_PAGE_SIZE = 50
-LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/")
+LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/", "/slo/", "/alerts/")
 
 
 def page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
-    """Render with what the layout needs: the tenant switcher, the role and the inbox count."""
+    """Render with what the layout needs: the tenant switcher, the role, the inbox count and
+    the open alerts' count."""
     membership = request.membership
     return render(
         request,
@@ -36,6 +38,7 @@ def page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
             "memberships": request.memberships,
             "can_write": can_write(membership),
             "pending_count": pending_count(membership.tenant_id),
+            "open_alert_count": open_alerts(membership.tenant_id).count(),
             **context,
         },
     )

@@ -7,12 +7,20 @@ One condition has one open alert (its ``key``): raising it again only refreshes
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
+from urllib.parse import urlsplit
 
 import httpx
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from platform_site.errors import Conflict
+from tenants.models import Tenant
+
+from .audit import Actor, audit
 from .models import Alert
 
 log = logging.getLogger(__name__)
@@ -44,8 +52,6 @@ def raise_alert(
         open_alert.details = details or {}
         open_alert.save(update_fields=["last_seen_at", "message", "details"])
         return open_alert, False
-    from tenants.models import Tenant
-
     webhook = Tenant.objects.filter(pk=tenant_id).values_list("alert_webhook_url", flat=True)
     try:
         with transaction.atomic():
@@ -82,6 +88,55 @@ def open_alerts(tenant_id: int):
     return Alert.objects.filter(tenant_id=tenant_id, resolved_at=None).select_related("model")
 
 
+def resolve_by_hand(alert: Alert, actor: Actor, reason: str) -> Alert:
+    """Close an open alert for a person, audited; 409 when it is already resolved."""
+    with transaction.atomic():
+        # A conditional update: the drift or SLO job may resolve it at the same moment, and
+        # exactly one of the two closes it (and only a person's close is audited).
+        closed = Alert.objects.filter(pk=alert.pk, resolved_at=None).update(
+            resolved_at=timezone.now()
+        )
+        if not closed:
+            raise Conflict(f"alert #{alert.pk} is already resolved")
+        audit(
+            alert.tenant_id,
+            actor,
+            "alert.resolve",
+            f"alert #{alert.pk} {alert.key}",
+            {"state": "open"},
+            {"state": "resolved"},
+            reason,
+        )
+    alert.refresh_from_db()
+    return alert
+
+
+def redacted(url: str) -> str:
+    """A webhook URL for the audit trail: Slack's carry their secret in the path."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}/…"
+
+
+def set_webhook_url(tenant_id: int, url: str, actor: Actor) -> Tenant:
+    """Where the tenant's alerts are posted ("" for nowhere), audited without the secret."""
+    with transaction.atomic():
+        tenant = Tenant.objects.select_for_update().get(pk=tenant_id)
+        before = tenant.alert_webhook_url
+        tenant.alert_webhook_url = url
+        tenant.save(update_fields=["alert_webhook_url"])
+        audit(
+            tenant_id,
+            actor,
+            "alert.webhook",
+            tenant.slug,
+            {"webhook_url": redacted(before)},
+            {"webhook_url": redacted(url)},
+        )
+    return tenant
+
+
 def slack_payload(alert: Alert) -> dict:
     """Slack's incoming-webhook shape: ``text`` for notifications, a block for the body."""
     icon = ":rotating_light:" if alert.severity == "critical" else ":warning:"
@@ -101,6 +156,10 @@ def deliver(alert_id: int) -> None:
     if not url or alert.webhook_state == "sent":
         return
     alert.webhook_attempts += 1
+    blocked = private_destination(url)
+    if blocked:  # a tenant must not make the platform call its own network; never retried
+        give_up(alert_id, blocked)
+        return
     try:
         response = httpx.post(url, json=slack_payload(alert), timeout=WEBHOOK_TIMEOUT_S)
         if response.status_code >= 300:
@@ -112,6 +171,24 @@ def deliver(alert_id: int) -> None:
     alert.webhook_state = "sent"
     alert.webhook_error = ""
     alert.save(update_fields=["webhook_state", "webhook_attempts", "webhook_error"])
+
+
+def private_destination(url: str) -> str | None:
+    """Why the webhook must not be called when its host resolves to a loopback, private,
+    link-local or reserved address (the platform's own network), else None. Allowed with
+    ``SWITCHYARD_WEBHOOK_ALLOW_PRIVATE`` (a webhook inside the cluster, the tests)."""
+    if settings.SWITCHYARD_WEBHOOK_ALLOW_PRIVATE:
+        return None
+    host = urlsplit(url).hostname or ""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as exc:
+        return f"webhook host {host!r} does not resolve: {exc}"
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved:
+            return f"webhook host {host!r} is on a private network ({ip}); not called"
+    return None
 
 
 def give_up(alert_id: int, error: str) -> None:

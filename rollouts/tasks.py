@@ -51,3 +51,27 @@ def deliver_alert(self, alert_id: int) -> None:
             return
         backoff = settings.SWITCHYARD_WEBHOOK_BACKOFF_S * 2**self.request.retries
         raise self.retry(exc=exc, countdown=backoff) from None
+
+
+@shared_task
+def evaluate_slos() -> dict[int, dict[str, str | None]]:
+    """Raise or resolve every model's SLO burn-rate alerts (rollouts.slo)."""
+    from .slo import evaluate_slos as evaluate_all
+
+    return evaluate_all()
+
+
+@shared_task
+def detect_drift() -> dict[str, int]:
+    """Drift reports for every version with a reference and traffic in its model's window."""
+    from .drift import detect_all  # imported here: this file's imports sit above other tasks
+
+    return detect_all()
+
+
+@shared_task
+def purge_drift_reports() -> int:
+    """Housekeeping: drift reports older than SWITCHYARD_DRIFT_HISTORY_DAYS."""
+    from .drift import purge_reports
+
+    return purge_reports()

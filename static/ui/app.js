@@ -142,5 +142,39 @@ const Sy = (() => {
     }
   });
 
-  return { api, errorText, live, el, fmt, renderSplit, armColor, message, snapshot };
+  // A page's JSON snapshot polled every `everyMs` (skipped while the tab is hidden), rendered by
+  // `onData`; the [data-live] indicator says how it goes. `refresh` polls now (filters changed).
+  function poll(url, onData, everyMs = 5000) {
+    const indicator = document.querySelector("[data-live]");
+    function mark(ok, text) {
+      if (!indicator) return;
+      indicator.classList.toggle("on", ok);
+      indicator.textContent = text;
+    }
+    async function refresh() {
+      let response;
+      try {
+        response = await fetch(url(), {
+          credentials: "same-origin",
+          headers: { Accept: "application/json" },
+        });
+      } catch (_) {
+        mark(false, "offline, retrying…");
+        return;
+      }
+      if (!response.ok || response.redirected) {
+        mark(false, response.redirected ? "signed out" : `refresh failed (HTTP ${response.status})`);
+        return;
+      }
+      onData(await response.json());
+      mark(true, `updated ${new Date().toLocaleTimeString()}`);
+    }
+    mark(true, "live");
+    setInterval(() => {
+      if (!document.hidden) refresh();
+    }, everyMs);
+    return refresh;
+  }
+
+  return { api, errorText, live, poll, el, fmt, renderSplit, armColor, message, snapshot };
 })();

@@ -247,3 +247,140 @@ def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
     expect(page.locator("#agents")).to_contain_text("fraud v1")
     shot(page, "fleet")
     page.context.close()
+
+
+# Monitoring: model ``churn`` (v1 in production, a canary towards v2) with a reference sample,
+# 80 minutes of logged predictions whose spend and support calls move away from it after the
+# first half hour, a drift report every 5 minutes over the last hour (rollouts.drift), three hours
+# of traffic in which the candidate starts failing, and the SLO evaluation that alerts on it.
+SEED_MONITORING = """
+import uuid
+from datetime import timedelta
+import numpy as np
+from django.utils import timezone
+from gateway.models import PredictionLog, TrafficSample
+from gateway.traffic import Counts
+from registry.models import ModelVersion
+from rollouts import drift
+from rollouts.models import ReferenceSample
+from rollouts.slo import evaluate_slos
+
+rng = np.random.default_rng(7)
+v1 = ModelVersion.objects.select_related("model").get(model__name="churn", version=1)
+v2 = ModelVersion.objects.get(model=v1.model, version=2)
+model = v1.model
+model.drift_window_minutes = 15
+model.save(update_fields=["drift_window_minutes"])
+now = timezone.now()
+
+def columns(n, shift):  # shift 0: the reference's distribution; 1: fully moved
+    spend = rng.normal(60 + 30 * shift, 15, n).round(2)
+    return {
+        "tenure_months": rng.gamma(2.0, 12.0, n).round(1).tolist(),
+        "monthly_spend": [None if rng.random() < 0.03 * shift else float(v) for v in spend],
+        "support_calls": np.minimum(rng.poisson(1 + 2.5 * shift, n), 8).tolist(),
+        "discount_pct": rng.choice([0, 5, 10, 20], n, p=[0.5, 0.2, 0.2, 0.1]).tolist(),
+    }
+
+def scores(n, shift):
+    return rng.beta(2 + 2 * shift, 5 - 2 * shift, n).round(4).tolist()
+
+ReferenceSample.objects.create(
+    version=v1, source="upload", columns=columns(2000, 0), scores=scores(2000, 0), rows=2000
+)
+for minute in range(80):
+    shift = min(max((minute - 30) / 40, 0), 1)
+    PredictionLog.objects.create(
+        tenant_id=model.tenant_id, model=model, version=v1, arm="baseline",
+        request_id=uuid.uuid4().hex, inputs=columns(25, shift), scores=scores(25, shift),
+        latency_ms=4.0, status=200, created_at=now - timedelta(minutes=80 - minute),
+    )
+for k in range(12):
+    assert drift.detect_drift(v1, now - timedelta(minutes=55 - 5 * k)) is not None
+
+samples = []
+for step in range(360):  # every 30 s over 3 hours
+    at = now - timedelta(seconds=30 * (360 - step))
+    for version, n, ms, error_rate in (
+        (v1, 50, 4.0, 0.0005),
+        (v2, 12 if step >= 280 else 0, 9.0, 0.25 if step >= 300 else 0.002),
+    ):
+        counts = Counts()
+        for latency in rng.lognormal(np.log(ms), 0.5, n):
+            counts.add(latency / 1000, ok=rng.random() >= error_rate)
+        if n:
+            samples.append(TrafficSample(
+                version=version, window_end=at, requests=counts.requests, errors=counts.errors,
+                latency_buckets=counts.buckets,
+            ))
+TrafficSample.objects.bulk_create(samples)
+assert evaluate_slos()[model.pk] == {"availability": "critical", "latency": None}
+"""
+
+
+def test_drift_slo_and_alert_pages_in_a_real_browser(browser, platform):
+    from playwright.sync_api import expect
+
+    url, api, backend = platform
+    names = '["tenure_months", "monthly_spend", "support_calls", "discount_pct"]'
+    upload_and_promote(api, "churn", small_onnx(seed=5), feature_names=names)
+    files = {"artifact": ("v2.onnx", small_onnx(seed=6), "application/octet-stream")}
+    v2 = api.post("/api/v1/models/churn/versions", files=files, data={"feature_names": names})
+    assert v2.status_code == 201, v2.text
+    # Guardrails that never act (no Celery runs here anyway): the page shows what happened.
+    rails = {"max_error_rate_increase": 1, "max_p99_ratio": 100, "min_samples": 10**6}
+    canary = {"mode": "canary", "candidate": 2, "weight": 20, "guardrails": rails}
+    started = api.post("/api/v1/models/churn/rollouts", json=canary)
+    assert started.status_code == 201, started.text
+    backend.shell(SEED_MONITORING)
+    # Live traffic on both arms as well, through the gateway and the agent.
+    wait_ready(api, "churn")
+    wait_until(lambda: api.get("/v2/models/churn/versions/2/ready").status_code == 200, 30)
+    for i in range(60):
+        r = api.post("/v2/models/churn/infer", json=BODY, headers={"X-User-Id": f"user-{i}"})
+        assert r.status_code == 200, r.text
+
+    page = sign_in(browser, url, "erin")
+    expect(page.locator("[data-alert-count]")).to_have_text("2")  # drift and SLO burn
+    page.goto("/models/churn/")
+    page.click("text=Drift and data quality")
+    page.wait_for_url("**/models/churn/drift/")
+    for chart in ("psi", "histogram", "latency", "errors"):
+        expect(page.locator(f"#chart-{chart} .main-svg").first).to_be_visible()
+    assert page.locator(".js-plotly-plot .main-svg").count() >= 8  # two layers per chart
+    expect(page.locator("#feature")).to_have_value("monthly_spend")  # the most drifted
+    expect(page.locator('#features tr[data-feature="monthly_spend"]')).to_contain_text("drifted")
+    expect(page.locator("#chart-latency")).to_contain_text("v2 · candidate")
+
+    # Another feature's histogram comes from the JSON endpoint, without a reload.
+    page.evaluate("window.sameDocument = true")
+    page.select_option("#feature", "support_calls")
+    expect(page.locator("#chart-histogram")).to_contain_text("support_calls · PSI")
+    expect(page.locator("[data-live]")).to_contain_text("updated", timeout=10_000)
+    assert page.evaluate("window.sameDocument") is True
+    page.select_option("#feature", "monthly_spend")
+    expect(page.locator("#chart-histogram")).to_contain_text("monthly_spend · PSI")
+    shot(page, "drift")
+
+    page.click("nav >> text=SLOs")
+    page.wait_for_url("**/slo/")
+    section = page.locator('section[data-model="churn"]')
+    expect(section.locator(".main-svg").first).to_be_visible()
+    expect(section.locator('tr[data-sli="availability"] [data-field="alert"]')).to_have_text(
+        "critical"
+    )
+    expect(section.locator('tr[data-sli="availability"] .budget')).to_be_visible()
+    shot(page, "slo")
+
+    # The alert, resolved from the alerts page through the REST API.
+    page.click("nav >> text=Alerts")
+    page.wait_for_url("**/alerts/")
+    row = page.locator("#open tr", has_text="churn: availability SLO")
+    expect(row).to_contain_text("Burn rate")
+    shot(page, "alerts")
+    row.locator("[data-resolve]").click()
+    expect(page.locator("[data-msg]")).to_contain_text("Resolved")
+    expect(page.locator("[data-alert-count]")).to_have_text("1")  # the drift alert is left
+    assert api.get("/api/v1/alerts?kind=slo_burn").json() == []
+    assert [a["kind"] for a in api.get("/api/v1/alerts").json()] == ["drift"]
+    page.context.close()

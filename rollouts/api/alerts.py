@@ -1,0 +1,150 @@
+"""Alerts over the API: list and read the tenant's alerts, resolve one by hand (audited), and the
+tenant's webhook URL. Every lookup is tenant-scoped; viewers read alerts but neither resolve
+them nor see the webhook URL (a Slack webhook URL is itself a credential)."""
+
+from __future__ import annotations
+
+from django.core.validators import URLValidator
+from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from tenants.authentication import WRITE_ROLES, TenantRolePermission
+from tenants.models import Tenant
+
+from ..alerts import resolve_by_hand, set_webhook_url
+from ..models import Alert, AlertKind
+from .views import _valid, actor_of
+
+# Serializers ---------------------------------------------------------------------------------
+
+
+class AlertSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True, allow_null=True)
+    state = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Alert
+        fields = [
+            "id",
+            "kind",
+            "severity",
+            "state",
+            "model",
+            "key",
+            "title",
+            "message",
+            "details",
+            "created_at",
+            "last_seen_at",
+            "resolved_at",
+            "webhook_state",
+            "webhook_attempts",
+            "webhook_error",
+        ]
+        read_only_fields = fields
+
+    def get_state(self, alert: Alert) -> str:
+        return "open" if alert.resolved_at is None else "resolved"
+
+
+class AlertFilter(serializers.Serializer):
+    state = serializers.ChoiceField(choices=["open", "resolved", "all"], default="open")
+    kind = serializers.ChoiceField(choices=AlertKind.choices, required=False)
+    model = serializers.CharField(required=False, help_text="model name")
+    limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
+
+
+class ResolveSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+
+
+class AlertSettingsSerializer(serializers.Serializer):
+    webhook_url = serializers.URLField(
+        max_length=500,
+        allow_blank=True,
+        validators=[URLValidator(schemes=["http", "https"])],
+        help_text="alerts are posted here as Slack-compatible JSON; empty: no webhook",
+    )
+
+
+# Views ---------------------------------------------------------------------------------------
+
+
+def alerts_of(tenant_id: int) -> QuerySet[Alert]:
+    return Alert.objects.filter(tenant_id=tenant_id).select_related("model")
+
+
+def filtered(alerts: QuerySet[Alert], where: dict) -> QuerySet[Alert]:
+    state = where["state"]
+    if state != "all":
+        alerts = alerts.filter(resolved_at__isnull=state == "open")
+    if "kind" in where:
+        alerts = alerts.filter(kind=where["kind"])
+    if "model" in where:
+        alerts = alerts.filter(model__name=where["model"])
+    return alerts[: where["limit"]]
+
+
+class AlertListView(APIView):
+    """The tenant's alerts, newest first: open ones by default."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[AlertFilter], responses=AlertSerializer(many=True))
+    def get(self, request):
+        where = _valid(AlertFilter, request.query_params)
+        found = filtered(alerts_of(request.caller.tenant_id), where)
+        return Response(AlertSerializer(found, many=True).data)
+
+
+class AlertDetailView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=AlertSerializer)
+    def get(self, request, alert_id: int):
+        alert = get_object_or_404(alerts_of(request.caller.tenant_id), pk=alert_id)
+        return Response(AlertSerializer(alert).data)
+
+
+class AlertResolveView(APIView):
+    """Resolve an open alert (engineers and approvers). A condition that still holds is
+    raised again by its job's next run, as a new alert."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(request=ResolveSerializer, responses=AlertSerializer)
+    def post(self, request, alert_id: int):
+        body = _valid(ResolveSerializer, request.data)
+        alert = get_object_or_404(alerts_of(request.caller.tenant_id), pk=alert_id)
+        resolved = resolve_by_hand(alert, actor_of(request), body["reason"])
+        return Response(AlertSerializer(resolved).data)
+
+
+class AlertSettingsView(APIView):
+    """The tenant's alert webhook. Engineers and approvers only, reading included."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        if request.caller.role not in WRITE_ROLES:
+            raise PermissionDenied("the webhook URL is for engineers and approvers only")
+
+    @extend_schema(responses=AlertSettingsSerializer)
+    def get(self, request):
+        tenant = Tenant.objects.get(pk=request.caller.tenant_id)
+        return Response({"webhook_url": tenant.alert_webhook_url})
+
+    @extend_schema(request=AlertSettingsSerializer, responses=AlertSettingsSerializer)
+    def put(self, request):
+        body = _valid(AlertSettingsSerializer, request.data)
+        tenant = set_webhook_url(request.caller.tenant_id, body["webhook_url"], actor_of(request))
+        return Response({"webhook_url": tenant.alert_webhook_url})
