@@ -8,6 +8,7 @@ import hmac
 import random
 import sqlite3
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import numpy as np
@@ -16,6 +17,7 @@ from django.db import OperationalError, connection
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
+from gateway import predlog
 from gateway.models import Feedback, PredictionLog
 from gateway.predlog import REDACTED, PredictionLogger, build_record, purge_expired_logs
 from gateway.routes import InputSpec, Route, route_of
@@ -269,13 +271,13 @@ def served(db, world, onnx_bytes):
 @pytest.mark.django_db(transaction=True)
 def test_the_writer_thread_writes_in_batches(world, served, monkeypatch):
     sizes: list[int] = []
-    original = PredictionLog.objects.bulk_create
+    original = predlog.write_batch
 
-    def spy(objs, *args, **kwargs):
-        sizes.append(len(objs))
-        return original(objs, *args, **kwargs)
+    def spy(batch):
+        sizes.append(len(batch))
+        return original(batch)
 
-    monkeypatch.setattr(PredictionLog.objects, "bulk_create", spy)
+    monkeypatch.setattr(predlog, "write_batch", spy)
     logger = PredictionLogger(capacity=1000, batch_size=4, flush_s=0.05)
     for i in range(10):
         assert offer(logger, served, n=2, request_id=f"req-{i}")
@@ -314,14 +316,14 @@ def test_a_failing_database_drops_the_batch_counts_it_and_the_writer_keeps_going
 ):
     logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
     failing = {"on": True}
-    original = PredictionLog.objects.bulk_create
+    original = predlog.write_batch
 
-    def flaky(objs, *args, **kwargs):
+    def flaky(batch):
         if failing["on"]:
             raise OperationalError("could not connect to server")
-        return original(objs, *args, **kwargs)
+        return original(batch)
 
-    monkeypatch.setattr(PredictionLog.objects, "bulk_create", flaky)
+    monkeypatch.setattr(predlog, "write_batch", flaky)
     before = counter("dropped_write_failed")
     for i in range(5):
         offer(logger, served, request_id=f"lost-{i}")
@@ -336,14 +338,32 @@ def test_a_failing_database_drops_the_batch_counts_it_and_the_writer_keeps_going
     assert list(PredictionLog.objects.values_list("request_id", flat=True)) == ["after"]
 
 
+@contextmanager
+def table_locked(monkeypatch):
+    """Another process holding a write lock on the prediction log while the block runs; the
+    writer gives up on it after 0.3 s (SQLite's busy timeout, PostgreSQL's statement timeout)."""
+    if connection.vendor == "postgresql":
+        import psycopg
+
+        monkeypatch.setattr(predlog, "WRITE_TIMEOUT_MS", 300)
+        params = connection.get_connection_params()
+        holder = psycopg.connect(**params, autocommit=False)
+        holder.execute(f"LOCK TABLE {PredictionLog._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+    else:
+        monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.3)
+        holder = sqlite3.connect(connection.settings_dict["NAME"], timeout=5, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        holder.rollback() if connection.vendor == "postgresql" else holder.execute("ROLLBACK")
+        holder.close()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_locked_database_drops_batches_while_offers_stay_fast(served, monkeypatch):
-    # The writer waits for SQLite's lock this long before giving up (20 s in production).
-    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.3)
     logger = PredictionLogger(capacity=20, batch_size=5, flush_s=0.05)
-    holder = sqlite3.connect(connection.settings_dict["NAME"], timeout=5, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # another process holding the write lock
-    try:
+    with table_locked(monkeypatch):
         slowest = 0.0
         for i in range(200):
             started = time.perf_counter()
@@ -351,9 +371,6 @@ def test_a_locked_database_drops_batches_while_offers_stay_fast(served, monkeypa
             slowest = max(slowest, time.perf_counter() - started)
             time.sleep(0.005)
         assert logger.flush(timeout=30)
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     assert slowest < 0.02  # never waits for the database
     assert logger.written == 0
     assert logger.dropped_write_failed > 0 and logger.dropped_buffer_full > 0
