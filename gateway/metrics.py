@@ -162,7 +162,7 @@ class RequestMetrics:
 
     requests: dict[tuple, int] = field(default_factory=dict)
     latency: dict[tuple, _Hist] = field(default_factory=dict)
-    stages: dict[tuple, _Hist] = field(default_factory=dict)
+    stages: dict[tuple, dict[str, _Hist]] = field(default_factory=dict)  # (tenant, model)
     rejected: dict[tuple, int] = field(default_factory=dict)
 
     def record(self, observed: Observed, status: int, seconds: float) -> None:
@@ -173,8 +173,11 @@ class RequestMetrics:
             key = (*labels, str(status))
             self.requests[key] = self.requests.get(key, 0) + 1
             _add(self.latency, labels, LATENCY_BUCKETS_S, seconds)
+            stages = self.stages.get(labels[:2])
+            if stages is None:
+                stages = self.stages[labels[:2]] = {}
             for stage, spent in observed.stages.items():
-                _add(self.stages, (tenant, route.model_name, stage), STAGE_BUCKETS_S, spent)
+                _add(stages, stage, STAGE_BUCKETS_S, spent)
         reason = reject_reason(status)
         if reason is not None:
             key = (tenant, reason)
@@ -191,13 +194,14 @@ class RequestMetrics:
             REQUESTS.labels(*key).inc(n)
         for key, hist in latency.items():
             _fold_histogram(LATENCY.labels(*key), hist)
-        for key, hist in stages.items():
-            _fold_histogram(STAGES.labels(*key), hist)
+        for (tenant, model), hists in stages.items():
+            for stage, hist in hists.items():
+                _fold_histogram(STAGES.labels(tenant, model, stage), hist)
         for key, n in rejected.items():
             REJECTED.labels(*key).inc(n)
 
 
-def _add(hists: dict[tuple, _Hist], key: tuple, bounds: tuple, value: float) -> None:
+def _add(hists: dict, key: object, bounds: tuple, value: float) -> None:
     hist = hists.get(key)
     if hist is None:
         hist = hists[key] = _Hist([0] * (len(bounds) + 1))
