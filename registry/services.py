@@ -29,7 +29,20 @@ SERVING_FIELDS = (
     "max_input_tokens",
     "max_output_tokens",
     "max_streams",
+    "personal_fields",
 )
+# A model's monitoring settings: prediction-log sampling and retention, drift, SLOs.
+MONITORING_FIELDS = (
+    "description",
+    "log_sample_rate",
+    "log_retention_days",
+    "drift_threshold",
+    "drift_window_minutes",
+    "slo_availability",
+    "slo_latency_ms",
+    "slo_latency_target",
+)
+PERSONAL_RULES = ("redact", "hash")
 # What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
 # architecture; streams speak the generation protocol, not tensors).
 TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
@@ -107,6 +120,7 @@ def create_version(
             created_by=created_by,
             **details,
         )
+        check_personal_fields(version, version.personal_fields)
         version.artifact.save(f"{sha256}.{format}", ContentFile(artifact), save=False)
         version.full_clean(exclude=["artifact"])
         version.save()
@@ -144,11 +158,40 @@ def update_serving_settings(version: ModelVersion, changes: dict[str, Any]) -> M
         raise SignatureError(
             refused[0], f"model versions are immutable; cannot change {', '.join(refused)}"
         )
+    if "personal_fields" in changes:
+        check_personal_fields(version, changes["personal_fields"])
     for field, value in changes.items():
         setattr(version, field, value)
     version.full_clean(exclude=["artifact"])
     version.save()
     return version
+
+
+def check_personal_fields(version: ModelVersion, fields: object) -> dict[str, str]:
+    """``{input or feature name: "redact" | "hash"}`` naming only what the version takes."""
+    if not isinstance(fields, dict):
+        raise SignatureError("personal_fields", 'must be an object of name to "redact" or "hash"')
+    known = {t["name"] for t in version.inputs} | set(version.feature_names)
+    for name, rule in fields.items():
+        if name not in known:
+            raise SignatureError(
+                "personal_fields", f"{name!r} is not an input or feature of this version"
+            )
+        if rule not in PERSONAL_RULES:
+            raise SignatureError("personal_fields", f'{name!r}: use "redact" or "hash"')
+    return fields
+
+
+def update_model_settings(model: Model, changes: dict[str, Any]) -> Model:
+    """Change a model's description or monitoring settings (its name and task stay)."""
+    refused = sorted(set(changes) - set(MONITORING_FIELDS))
+    if refused:
+        raise SignatureError(refused[0], "cannot change; a model's name and task are fixed")
+    for field, value in changes.items():
+        setattr(model, field, value)
+    model.full_clean(exclude=["tenant"], validate_unique=False)
+    model.save()
+    return model
 
 
 def set_alias(

@@ -159,3 +159,62 @@ def test_api_docs_page_serves_its_assets_locally(client, db):
     page = client.get("/api/docs/").content.decode()
     assert "/static/drf_spectacular_sidecar/swagger-ui-dist/" in page
     assert "cdn.jsdelivr" not in page
+
+
+# Monitoring settings and personal fields ------------------------------------------------------
+
+
+def test_monitoring_settings_of_a_model_change_audited_and_bounded(world, api_a):
+    from rollouts.models import AuditEvent
+
+    make_model(world.a, "clf")
+    changed = api_a.patch(
+        "/api/v1/models/clf",
+        {"log_sample_rate": 1.0, "log_retention_days": 7, "drift_threshold": 0.25},
+        format="json",
+    )
+    assert changed.status_code == 200, changed.json()
+    body = changed.json()
+    assert (body["log_sample_rate"], body["log_retention_days"]) == (1.0, 7)
+    event = AuditEvent.objects.get(action="model.update")
+    assert event.before["log_sample_rate"] == 0.1 and event.after["log_sample_rate"] == 1.0
+    too_much = api_a.patch("/api/v1/models/clf", {"log_sample_rate": 1.5}, format="json")
+    assert too_much.status_code == 400 and "log_sample_rate" in too_much.json()["error"]
+    renamed = api_a.patch("/api/v1/models/clf", {"name": "other"}, format="json")
+    assert renamed.status_code == 400 and "name" in renamed.json()["error"]
+
+
+def test_only_writers_of_the_tenant_change_a_models_settings(world):
+    make_model(world.a, "clf")
+    viewer = APIClient()
+    viewer.force_login(world.viewer_a)
+    assert (
+        viewer.patch("/api/v1/models/clf", {"log_sample_rate": 0.5}, format="json").status_code
+        == 403
+    )
+    other = client_with_key(world.key_b)
+    assert (
+        other.patch("/api/v1/models/clf", {"log_sample_rate": 0.5}, format="json").status_code
+        == 404
+    )
+
+
+def test_personal_fields_name_inputs_or_features_and_a_rule(world, api_a, onnx_bytes):
+    make_model(world.a, "clf")
+    features = ["age", "email", "income", "zip"]
+    bad_name = upload(
+        api_a, "clf", onnx_bytes, feature_names=features, personal_fields={"ssn": "hash"}
+    )
+    assert bad_name.status_code == 400 and "personal_fields" in bad_name.json()["error"]
+    bad_rule = upload(
+        api_a, "clf", onnx_bytes, feature_names=features, personal_fields={"email": "hide"}
+    )
+    assert bad_rule.status_code == 400 and "redact" in bad_rule.json()["error"]
+    ok = upload(api_a, "clf", onnx_bytes, feature_names=features, personal_fields={"email": "hash"})
+    assert ok.status_code == 201 and ok.json()["personal_fields"] == {"email": "hash"}
+    marked = api_a.patch(
+        "/api/v1/models/clf/versions/1",
+        {"personal_fields": {"email": "hash", "zip": "redact"}},
+        format="json",
+    )
+    assert marked.status_code == 200 and marked.json()["personal_fields"]["zip"] == "redact"

@@ -19,7 +19,20 @@ class ModelSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = ["name", "task", "description", "created_at", "aliases"]
+        fields = [
+            "name",
+            "task",
+            "description",
+            "log_sample_rate",
+            "log_retention_days",
+            "drift_threshold",
+            "drift_window_minutes",
+            "slo_availability",
+            "slo_latency_ms",
+            "slo_latency_target",
+            "created_at",
+            "aliases",
+        ]
         read_only_fields = ["created_at", "aliases"]
         validators = []  # uniqueness per tenant is checked in the view, which knows the tenant
 
@@ -46,6 +59,7 @@ class VersionSerializer(serializers.ModelSerializer):
             "training_data_hash",
             "parent",
             "offline_metrics",
+            "personal_fields",
             "description",
             "max_batch_size",
             "max_queue_delay_ms",
@@ -110,6 +124,11 @@ class VersionUploadSerializer(serializers.Serializer):
     source_commit = serializers.CharField(max_length=64, required=False, allow_blank=True)
     training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
     parent = serializers.IntegerField(min_value=1, required=False)
+    personal_fields = serializers.JSONField(
+        binary=True,
+        required=False,
+        help_text='personal data in the signature: {input or feature name: "redact" | "hash"}',
+    )
     description = serializers.CharField(required=False, allow_blank=True)
     max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
     max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
@@ -132,6 +151,7 @@ class VersionUpdateSerializer(serializers.Serializer):
     """Only serving settings may change; any other field is refused by the view."""
 
     description = serializers.CharField(required=False, allow_blank=True)
+    personal_fields = serializers.JSONField(required=False)
     max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
     max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
     max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
@@ -155,3 +175,20 @@ class AliasSerializer(serializers.Serializer):
             "version": alias.version.version,
             "updated_at": alias.updated_at,
         }
+
+
+class ModelUpdateSerializer(serializers.ModelSerializer):
+    """A model's description and monitoring settings; its name and task are fixed."""
+
+    class Meta:
+        model = Model
+        fields = [
+            "description",
+            "log_sample_rate",
+            "log_retention_days",
+            "drift_threshold",
+            "drift_window_minutes",
+            "slo_availability",
+            "slo_latency_ms",
+            "slo_latency_target",
+        ]

@@ -15,6 +15,7 @@ from rest_framework.views import APIView
 from rollouts.api.serializers import ApprovalSerializer
 from rollouts.api.views import actor_of, approval_response
 from rollouts.approvals import move_alias
+from rollouts.audit import audit
 from rollouts.drift import set_reference_upload
 from rollouts.models import ApprovalRequest
 from tenants.authentication import TenantRolePermission
@@ -24,6 +25,7 @@ from ..models import Model, ModelVersion
 from .serializers import (
     AliasSerializer,
     ModelSerializer,
+    ModelUpdateSerializer,
     VersionSerializer,
     VersionUpdateSerializer,
     VersionUploadSerializer,
@@ -64,10 +66,37 @@ class ModelListView(APIView):
 
 class ModelDetailView(APIView):
     permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
 
     @extend_schema(responses=ModelSerializer)
     def get(self, request, name: str):
         return Response(ModelSerializer(_model(request, name)).data)
+
+    @extend_schema(request=ModelUpdateSerializer, responses=ModelSerializer)
+    def patch(self, request, name: str):
+        """Change the description or the monitoring settings (sampling, retention, drift, SLOs)."""
+        model = _model(request, name)
+        if not isinstance(request.data, dict):
+            raise ValidationError({"body": "must be a JSON object"})
+        fixed = sorted(set(request.data) - set(services.MONITORING_FIELDS))
+        if fixed:
+            raise ValidationError(
+                {f: "cannot change; a model's name and task are fixed" for f in fixed}
+            )
+        changes = ModelUpdateSerializer(model, data=request.data, partial=True)
+        changes.is_valid(raise_exception=True)
+        before = {f: getattr(model, f) for f in changes.validated_data}
+        with transaction.atomic():
+            updated = services.update_model_settings(model, dict(changes.validated_data))
+            audit(
+                model.tenant_id,
+                actor_of(request),
+                "model.update",
+                model.name,
+                before,
+                {f: getattr(updated, f) for f in before},
+            )
+        return Response(ModelSerializer(updated).data)
 
 
 class VersionListView(APIView):
