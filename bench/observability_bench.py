@@ -36,6 +36,7 @@ from tests.e2e.harness import PY, Proc, free_port, services_backend, wait_until 
 
 CONFIGS = {
     "off": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "sample": 0.0},
+    "metrics": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "sample": 0.0},
     "on": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "sample": 0.1},
 }
 SET_SAMPLE = (
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", default="16,64")
+    parser.add_argument("--configs", default="off,on", help="off, metrics (no log), on")
     parser.add_argument(
         "--output", type=Path, default=ROOT / "bench" / "results" / "observability.md"
     )
@@ -118,8 +120,9 @@ def main() -> None:
     rows: list[dict] = []
     try:
         creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
+        configs = args.configs.split(",")
         for _ in range(args.rounds):
-            for config in ("off", "on"):
+            for config in configs:
                 rows += measure(
                     backend, tmp, creds["node_token"], creds["api_key"], config, connections, args
                 )
@@ -127,13 +130,15 @@ def main() -> None:
     finally:
         backend.close()
         redis.terminate()
-    table = render(rows, connections, args.rounds, logged)
+    table = render(rows, connections, configs, args.rounds, logged)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
 
 
-def render(rows: list[dict], connections: list[int], rounds: int, logged: int) -> str:
+def render(
+    rows: list[dict], connections: list[int], configs: list[str], rounds: int, logged: int
+) -> str:
     def median(config: str, c: int, field: str) -> float:
         return statistics.median(
             r[field] for r in rows if r["config"] == config and r["connections"] == c
@@ -148,7 +153,7 @@ def render(rows: list[dict], connections: list[int], rounds: int, logged: int) -
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in connections:
-        for config in ("off", "on"):
+        for config in configs:
             errors = sum(
                 r["errors"] for r in rows if r["config"] == config and r["connections"] == c
             )
@@ -157,15 +162,15 @@ def render(rows: list[dict], connections: list[int], rounds: int, logged: int) -
                 f"{median(config, c, 'p50_ms'):.2f} | {median(config, c, 'p99_ms'):.2f} | "
                 f"{median(config, c, 'cpu_ms'):.3f} | {errors} |"
             )
-    lines += [
-        "",
-        "| connections | throughput on/off | CPU per request on/off |",
-        "| --- | --- | --- |",
-    ]
+    lines += ["", "| connections | config | throughput vs off | CPU per request vs off |"]
+    lines += ["| --- | --- | --- | --- |"]
     for c in connections:
-        ratio = median("on", c, "rps") / median("off", c, "rps")
-        cpu = median("on", c, "cpu_ms") / median("off", c, "cpu_ms")
-        lines.append(f"| {c} | {ratio:.3f} ({(ratio - 1) * 100:+.1f} %) | {cpu:.3f} |")
+        for config in configs[1:]:
+            ratio = median(config, c, "rps") / median(configs[0], c, "rps")
+            cpu = median(config, c, "cpu_ms") / median(configs[0], c, "cpu_ms")
+            lines.append(
+                f"| {c} | {config} | {ratio:.3f} ({(ratio - 1) * 100:+.1f} %) | {cpu:.3f} |"
+            )
     lines += ["", f"Prediction log rows written during the run: {logged:,}.", ""]
     return "\n".join(lines)
 
