@@ -24,6 +24,11 @@ ENV = {
     "SWITCHYARD_PREDLOG_BUFFER": "50",
     "SWITCHYARD_PREDLOG_BATCH": "10",
     "SWITCHYARD_PREDLOG_FLUSH_S": "0.2",
+    # No heartbeat write during the lock test: on SQLite the agent's consumer would wait on it
+    # (20 s busy timeout) with results queued behind it — a stall of the embedded backend, not
+    # of the prediction log.
+    "SWITCHYARD_AGENT_HEARTBEAT_S": "120",
+    "SWITCHYARD_AGENT_STALE_S": "600",
 }
 
 
