@@ -12,6 +12,7 @@ from rollouts.api.drift import ReferenceUploadSerializer
 from rollouts.drift import normalize_reference, rows_from_csv
 
 from ..models import Alias, ArtifactFormat, Device, Model, ModelVersion
+from ..services import MONITORING_FIELDS
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -19,20 +20,7 @@ class ModelSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = [
-            "name",
-            "task",
-            "description",
-            "log_sample_rate",
-            "log_retention_days",
-            "drift_threshold",
-            "drift_window_minutes",
-            "slo_availability",
-            "slo_latency_ms",
-            "slo_latency_target",
-            "created_at",
-            "aliases",
-        ]
+        fields = ["name", "task", *MONITORING_FIELDS, "created_at", "aliases"]
         read_only_fields = ["created_at", "aliases"]
         validators = []  # uniqueness per tenant is checked in the view, which knows the tenant
 
@@ -182,13 +170,4 @@ class ModelUpdateSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = [
-            "description",
-            "log_sample_rate",
-            "log_retention_days",
-            "drift_threshold",
-            "drift_window_minutes",
-            "slo_availability",
-            "slo_latency_ms",
-            "slo_latency_target",
-        ]
+        fields = list(MONITORING_FIELDS)
