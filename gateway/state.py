@@ -63,7 +63,8 @@ class GatewayState:
         self._splits: dict[tuple[int, str], Split | None] = {}
         self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
-        self.metrics = RequestMetrics()  # folded into prometheus-client by the refresh loop
+        # Folded into prometheus-client by the refresh loop.
+        self.metrics = RequestMetrics(stage_every=cfg["STAGE_SAMPLE"])
         self.count_metrics = cfg["REQUEST_METRICS"]
         self.predlog = PredictionLogger()
         # Text generation: each tenant's concurrent streams and tokens per minute.

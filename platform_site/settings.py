@@ -234,6 +234,8 @@ SWITCHYARD = {
     # Per-request Prometheus metrics on the data path (0 turns them off: the benchmark's
     # baseline; /metrics still serves the fleet's).
     "REQUEST_METRICS": env("SWITCHYARD_REQUEST_METRICS", "1") != "0",
+    # Stage times (switchyard_stage_duration_seconds) from one prediction in this many.
+    "STAGE_SAMPLE": max(1, int(env("SWITCHYARD_STAGE_SAMPLE", "10"))),
     # When set, GET /metrics needs it as a bearer token (metrics name tenants and models).
     "METRICS_TOKEN": env("SWITCHYARD_METRICS_TOKEN", ""),
     # Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".

@@ -96,6 +96,19 @@ def test_rejections_are_counted_by_reason(status, reason):
     assert reject_reason(status) == reason
 
 
+def test_stage_times_come_from_one_prediction_in_stage_every_and_the_rest_from_every_one():
+    pending = RequestMetrics(stage_every=4)
+    for _ in range(8):
+        observed = Observed(tracing.start_trace(None, None))
+        observed.tenant, observed.route = "t-sample", route()
+        observed.stages = {"auth": 0.001, "inference": 0.002}
+        pending.record(observed, 200, 0.003)
+    assert sum(pending.requests.values()) == 8
+    assert sum(sum(h.counts) for h in pending.latency.values()) == 8
+    stages = pending.stages[("t-sample", route().model_name)]
+    assert {name: sum(h.counts) for name, h in stages.items()} == {"auth": 2, "inference": 2}
+
+
 def test_stage_times_split_the_dispatch_with_the_agents_report():
     observed = Observed(tracing.start_trace(None, None))
     observed.stages = {"dispatch": 0.010}

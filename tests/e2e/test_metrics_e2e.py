@@ -57,9 +57,9 @@ def test_metrics_count_real_requests_with_their_labels(stack, rng):
     latency = {k: v for k, v in ok.items() if k != "status"}
     with stack.client() as client:
         before = scrape(client)
-        for _ in range(7):
+        for _ in range(70):
             assert client.post("/v2/models/clf/infer", json=body(x)).status_code == 200
-        for _ in range(3):
+        for _ in range(30):
             rows = {"instances": x.tolist()}
             assert client.post("/api/v1/models/clf/predict", json=rows).status_code == 200
         bad = client.post("/v2/models/clf/infer", json={"inputs": [{"name": "x"}]})
@@ -75,17 +75,18 @@ def test_metrics_count_real_requests_with_their_labels(stack, rng):
     def delta(name: str, samples: dict = after, **labels: str) -> float:
         return value(samples, name, **labels) - value(before, name, **labels)
 
-    assert delta("switchyard_requests_total", **ok) == 10
+    assert delta("switchyard_requests_total", **ok) == 100
     assert delta("switchyard_requests_total", **{**ok, "status": "400"}) == 1
-    assert delta("switchyard_request_duration_seconds_count", **latency) == 11
-    assert delta("switchyard_request_duration_seconds_bucket", **latency, le="+Inf") == 11
+    assert delta("switchyard_request_duration_seconds_count", **latency) == 101
+    assert delta("switchyard_request_duration_seconds_bucket", **latency, le="+Inf") == 101
     assert delta("switchyard_request_duration_seconds_sum", **latency) > 0
     # Rejections by reason: the 404 has a tenant (the key's) but no model route.
     assert delta("switchyard_rejected_requests_total", tenant="alpha", reason="bad_input") == 1
     assert delta("switchyard_rejected_requests_total", tenant="alpha", reason="not_found") == 1
     unauthenticated = {"tenant": "", "reason": "unauthenticated"}
     assert delta("switchyard_rejected_requests_total", rejected, **unauthenticated) == 1
-    # Every stage of the ten answered requests is timed; the agent reports its own two.
+    # Stage times come from one prediction in ten (SWITCHYARD_STAGE_SAMPLE): ten of the hundred
+    # answered in a row, with every stage timed; the agent reports its own two.
     stages = {
         dict(key[1])["stage"]: v - before.get(key, 0.0)
         for key, v in matching(
