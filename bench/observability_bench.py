@@ -1,15 +1,24 @@
 """What metrics and prediction logging cost on the full OIP v2 path, measured in one run.
 
-Two configurations of the same platform (PostgreSQL + Redis, uvicorn, one agent, the demo
-fraud model), measured in alternation so that drift of a shared machine hits both alike:
+One copy of the serving path per configuration (PostgreSQL + Redis; each a uvicorn server and
+its own serving agent):
 
-- **off**: per-request metrics off (``SWITCHYARD_REQUEST_METRICS=0``), prediction log sampling 0;
-- **on**: metrics on, the model's prediction log sampling at 10 % (written to PostgreSQL by the
-  server's background writer).
+- **off**: per-request metrics off (``SWITCHYARD_REQUEST_METRICS=0``); it serves the demo fraud
+  model, whose prediction log sampling is 0;
+- **off-again**: the same as off, a control: how far two identical copies differ by chance;
+- **metrics**: metrics on, the same model;
+- **on**: metrics on, serving ``fraud-logged`` — the same artifact as a second model whose log
+  sampling is 10 % (written to PostgreSQL by that server's background writer).
 
-Server-side processes are pinned to CPU 0 with taskset, wrk to CPU 1 (as ``oip_bench.py``).
-Each round starts fresh processes per configuration, warms up, then measures; the table has the
-median over rounds of requests/s, p50/p99 and server CPU per request, and the on/off ratio.
+All servers and agents share CPU 0 (taskset); one wrk per copy, all on CPU 1, load every copy
+at the same time, so the machine's drift (on the development VM it moves throughput by ±20 %
+from one few-second slice to the next) falls on all of them alike; each copy's throughput and
+CPU per request are compared with the "off" copy of the same round. Every round starts fresh
+processes, because two processes of the same configuration differ by a few per cent (memory
+layout, hash seeds) and one pair of them would bias a whole run. The table gives the median
+over rounds and the range. The PostgreSQL backends serving the bench's database are pinned to
+CPU 1 (in a deployment the database is a machine of its own), their CPU shown apart.
+
 Run: ``.venv/bin/python bench/observability_bench.py`` (needs wrk, PostgreSQL, redis-server).
 """
 
@@ -23,6 +32,8 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -35,72 +46,171 @@ from bench.oip_bench import SERVERS, _ok, cpu_seconds, run_wrk, start_redis  # n
 from tests.e2e.harness import PY, Proc, free_port, services_backend, wait_until  # noqa: E402
 
 CONFIGS = {
-    "off": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "sample": 0.0},
-    "metrics": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "sample": 0.0},
-    "on": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "sample": 0.1},
+    "off": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "model": "fraud-detector"},
+    "off-again": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "model": "fraud-detector"},
+    "metrics": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "model": "fraud-detector"},
+    "on": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "model": "fraud-logged"},
 }
-SET_SAMPLE = (
-    "from registry.models import Model; "
-    "Model.objects.filter(name='fraud-detector').update(log_sample_rate={rate})"
+# The demo model unlogged, and its artifact again as a model logged at 10 %.
+SETUP = """
+from registry.models import Model
+from registry.services import create_version, set_alias
+fraud = Model.objects.get(name='fraud-detector')
+fraud.log_sample_rate = 0.0
+fraud.save()
+source = fraud.aliases.get(name='production').version
+logged, _ = Model.objects.get_or_create(
+    tenant=fraud.tenant, name='fraud-logged', defaults={'task': fraud.task, 'log_sample_rate': 0.1}
 )
+if not logged.versions.exists():
+    with source.artifact.open('rb') as f:
+        version = create_version(logged, f.read(), feature_names=source.feature_names)
+    set_alias(logged, 'production', version, reason='observability bench')
+"""
+# How many live agents hold both fraud versions ready (each gateway must serve from its own).
+READY_AGENTS = """
+from gateway.models import AgentSession
+from registry.models import Alias
+ids = set(Alias.objects.filter(
+    model__name__in=['fraud-detector', 'fraud-logged'], name='production'
+).values_list('version_id', flat=True))
+live = AgentSession.objects.filter(disconnected_at__isnull=True)
+print(sum(1 for ready in live.values_list('ready_versions', flat=True) if ids <= set(ready)))
+"""
 COUNT_LOGS = (
     "from gateway.models import PredictionLog; "
-    "print(PredictionLog.objects.filter(model__name='fraud-detector').count())"
+    "print(PredictionLog.objects.filter(model__name='fraud-logged').count())"
 )
 
 
-def measure(backend, tmp, token: str, key: str, config: str, connections: list[int], args):
-    """Start server + agent in one configuration, warm up, measure each connection count."""
-    backend.shell(SET_SAMPLE.format(rate=CONFIGS[config]["sample"]))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**backend.env, "LOG_LEVEL": "WARNING", **CONFIGS[config]["env"]}
-    server = Proc(
-        "uvicorn",
-        ["taskset", "-c", "0", PY, *SERVERS["uvicorn"].format(port=port).split()],
-        env,
-        tmp,
-    )
-    agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {url} --token {token} "
-    agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
-    agent = Proc("agent", agent_cmd.split(), env, tmp)
+def logs(config: str) -> bool:
+    """Whether the configuration serves the model whose predictions are logged."""
+    return CONFIGS[config]["model"] == "fraud-logged"
+
+
+class Stack:
+    """One configuration's uvicorn server and serving agent, pinned to CPU 0."""
+
+    def __init__(self, config: str, backend, tmp: Path, token: str, round_: int) -> None:
+        self.config = config
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**backend.env, "LOG_LEVEL": "WARNING", **CONFIGS[config]["env"]}
+        server_cmd = SERVERS["uvicorn"].format(port=port).split()
+        self.server = Proc(f"uvicorn-{config}", ["taskset", "-c", "0", PY, *server_cmd], env, tmp)
+        agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {self.url} --token {token} "
+        agent_cmd += f"--cache-dir {tmp / f'cache-{config}-{round_}'} --log-level WARNING"
+        self.agent = Proc(f"agent-{config}", agent_cmd.split(), env, tmp)
+        self.target = f"{self.url}/v2/models/{CONFIGS[config]['model']}/infer"
+        self.logs = logs(config)
+
+    def wait_ready(self, key: str) -> None:
+        ready = self.target.removesuffix("/infer") + "/ready"
+        wait_until(partial(_ok, ready, {"Authorization": f"Bearer {key}"}), 90, self.agent)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.server.popen.pid) + cpu_seconds(self.agent.popen.pid)
+
+    def stop(self) -> None:
+        self.agent.stop()
+        self.server.stop()
+
+
+def agents_ready(backend, n: int) -> bool:
+    return int(backend.shell(READY_AGENTS)) >= n
+
+
+def together(
+    stacks: list[Stack],
+    connections: int,
+    key: str,
+    args,
+    round_: int,
+    db: Database,
+    seconds: int | None = None,
+) -> list[dict]:
+    """Load every stack at once for ``seconds`` (one wrk each, all on CPU 1), then pause
+    ``args.gap`` (longer than the log writer's flush interval, so the records sampled are
+    written within the CPU counted); each stack's numbers."""
+    seconds = seconds or args.seconds
+    db_before = db.pin()
+    before = {s.config: s.cpu() for s in stacks}
+    with ThreadPoolExecutor(len(stacks)) as pool:
+        results = list(
+            pool.map(lambda s: run_wrk(s.target, connections, seconds, key, args.body), stacks)
+        )
+    time.sleep(args.gap)
+    db_used = db.used(db_before)
+    # The database's work is the logging copies' (the others only send heartbeats).
+    logging = sum(r["requests"] for s, r in zip(stacks, results, strict=True) if s.logs) or 1
     rows = []
-    try:
-        headers = {"Authorization": f"Bearer {key}"}
-        wait_until(partial(_ok, f"{url}/v2/models/fraud-detector/ready", headers), 60, agent)
-        target = f"{url}/v2/models/fraud-detector/infer"
-        for c in connections:
-            run_wrk(target, c, args.warmup, key, args.body)
-            pids = [server.popen.pid, agent.popen.pid]
-            before = sum(cpu_seconds(p) for p in pids)
-            result = run_wrk(target, c, args.seconds, key, args.body)
-            used = sum(cpu_seconds(p) for p in pids) - before
-            seconds = result["duration_us"] / 1e6
-            rows.append(
-                {
-                    "config": config,
-                    "connections": c,
-                    "rps": result["requests"] / seconds,
-                    "p50_ms": result["p50_us"] / 1000,
-                    "p99_ms": result["p99_us"] / 1000,
-                    "cpu_ms": used * 1000 / max(result["requests"], 1),
-                    "errors": result["errors"],
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        agent.stop()
-        server.stop()
+    for stack, result in zip(stacks, results, strict=True):
+        requests = max(result["requests"], 1)
+        rows.append(
+            {
+                "config": stack.config,
+                "connections": connections,
+                "round": round_,
+                "rps": result["requests"] / (result["duration_us"] / 1e6),
+                "p50_ms": result["p50_us"] / 1000,
+                "p99_ms": result["p99_us"] / 1000,
+                "cpu_ms": (stack.cpu() - before[stack.config]) * 1000 / requests,
+                "db_cpu_ms": db_used * 1000 / logging if stack.logs else None,
+                "errors": result["errors"],
+            }
+        )
     return rows
+
+
+class Database:
+    """The PostgreSQL backends serving the bench's database: pinned to CPU 1 beside wrk (in a
+    deployment the database is a machine of its own; its work must not be charged to the
+    gateway's core by chance of scheduling), and their CPU counted apart."""
+
+    def __init__(self, url: str) -> None:
+        self.admin_url = url.replace("postgres://", "postgresql://", 1)
+        self.name = url.rsplit("/", 1)[1]
+
+    def backends(self) -> list[int]:
+        import psycopg
+
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                [self.name],
+            ).fetchall()
+        return [pid for (pid,) in rows]
+
+    def pin(self) -> dict[int, float]:
+        """Pin the current backends to CPU 1; their CPU seconds now."""
+        cpu = {}
+        for pid in self.backends():
+            try:
+                os.sched_setaffinity(pid, {1})
+                cpu[pid] = cpu_seconds(pid)
+            except ProcessLookupError:
+                pass
+        return cpu
+
+    @staticmethod
+    def used(before: dict[int, float]) -> float:
+        """CPU seconds since ``before`` of the backends still alive (a backend that closed
+        meanwhile is left out, not counted negative)."""
+        return sum(
+            cpu_seconds(pid) - start
+            for pid, start in before.items()
+            if Path(f"/proc/{pid}").exists()
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--gap", type=float, default=1.5, help="pause after each measurement")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--connections", default="16,64")
-    parser.add_argument("--configs", default="off,on", help="off, metrics (no log), on")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--connections", default="32", help="per copy")
+    parser.add_argument("--configs", default="off,off-again,metrics,on", help="baseline first")
     parser.add_argument(
         "--output", type=Path, default=ROOT / "bench" / "results" / "observability.md"
     )
@@ -110,6 +220,7 @@ def main() -> None:
         {"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32", "data": features}]}
     )
     connections = [int(c) for c in args.connections.split(",")]
+    configs = args.configs.split(",")
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-obs-bench-"))
     redis, redis_port = start_redis()
@@ -120,37 +231,57 @@ def main() -> None:
     rows: list[dict] = []
     try:
         creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
-        configs = args.configs.split(",")
-        for _ in range(args.rounds):
-            for config in configs:
-                rows += measure(
-                    backend, tmp, creds["node_token"], creds["api_key"], config, connections, args
-                )
+        backend.shell(SETUP)
+        db = Database(backend.env["DATABASE_URL"])
+        key = creds["api_key"]
+        for round_ in range(args.rounds):
+            # Started in a different order each round, so no configuration always goes first.
+            shift = round_ % len(configs)
+            order = configs[shift:] + configs[:shift]
+            stacks = {c: Stack(c, backend, tmp, creds["node_token"], round_) for c in order}
+            try:
+                for stack in stacks.values():
+                    stack.wait_ready(key)
+                wait_until(partial(agents_ready, backend, len(stacks)), 120)
+                for c in connections:
+                    together(list(stacks.values()), c, key, args, round_, db, args.warmup)
+                    rows += together(list(stacks.values()), c, key, args, round_, db)
+                    for row in rows[-len(stacks) :]:
+                        print(json.dumps(row), flush=True)
+            finally:
+                for stack in stacks.values():
+                    stack.stop()
         logged = int(backend.shell(COUNT_LOGS).strip())
     finally:
         backend.close()
         redis.terminate()
-    table = render(rows, connections, configs, args.rounds, logged)
+    table = render(rows, connections, configs, args, logged)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
 
 
-def render(
-    rows: list[dict], connections: list[int], configs: list[str], rounds: int, logged: int
-) -> str:
+def render(rows: list[dict], connections: list[int], configs: list[str], args, logged: int) -> str:
     def median(config: str, c: int, field: str) -> float:
         return statistics.median(
             r[field] for r in rows if r["config"] == config and r["connections"] == c
         )
 
+    def db_cpu(config: str, c: int) -> str:
+        if not logs(config):
+            return "–"
+        return f"{median(config, c, 'db_cpu_ms'):.3f}"
+
     lines = [
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.node()} "
-        f"({os.cpu_count()} CPUs): OIP v2, demo fraud MLP, PostgreSQL + Redis, uvicorn and the "
-        f"agent on CPU 0, wrk on CPU 1; medians of {rounds} alternating rounds.",
+        f"({os.cpu_count()} CPUs): OIP v2, demo fraud MLP, PostgreSQL + Redis, one uvicorn "
+        f"server and agent per configuration, all on CPU 0, loaded at once by one wrk each on "
+        f"CPU 1 ({', '.join(map(str, connections))} connections per copy); {args.rounds} "
+        f"rounds of fresh processes, {args.seconds} s each; medians.",
         "",
-        "| connections | config | req/s | p50 ms | p99 ms | server CPU ms/req | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| connections | config | req/s | p50 ms | p99 ms | server CPU ms/req | "
+        "PostgreSQL CPU ms/req | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in connections:
         for config in configs:
@@ -160,19 +291,36 @@ def render(
             lines.append(
                 f"| {c} | {config} | {median(config, c, 'rps'):,.0f} | "
                 f"{median(config, c, 'p50_ms'):.2f} | {median(config, c, 'p99_ms'):.2f} | "
-                f"{median(config, c, 'cpu_ms'):.3f} | {errors} |"
+                f"{median(config, c, 'cpu_ms'):.3f} | {db_cpu(config, c)} | "
+                f"{errors} |"
             )
-    lines += ["", "| connections | config | throughput vs off | CPU per request vs off |"]
-    lines += ["| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"Against {configs[0]} in the same round: the median ratio and its range over rounds.",
+        "",
+        f"| connections | config | throughput vs {configs[0]} | range over rounds | "
+        f"server CPU/req vs {configs[0]} |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for c in connections:
         for config in configs[1:]:
-            ratio = median(config, c, "rps") / median(configs[0], c, "rps")
-            cpu = median(config, c, "cpu_ms") / median(configs[0], c, "cpu_ms")
+            ratios = paired(rows, configs[0], config, c, "rps")
+            ratio = statistics.median(ratios)
+            cpu = statistics.median(paired(rows, configs[0], config, c, "cpu_ms"))
             lines.append(
-                f"| {c} | {config} | {ratio:.3f} ({(ratio - 1) * 100:+.1f} %) | {cpu:.3f} |"
+                f"| {c} | {config} | {ratio:.3f} ({(ratio - 1) * 100:+.1f} %) | "
+                f"{(min(ratios) - 1) * 100:+.1f} % to {(max(ratios) - 1) * 100:+.1f} % | "
+                f"{cpu:.3f} |"
             )
     lines += ["", f"Prediction log rows written during the run: {logged:,}.", ""]
     return "\n".join(lines)
+
+
+def paired(rows: list[dict], base: str, config: str, c: int, field: str) -> list[float]:
+    """``config``'s value over ``base``'s, one ratio per round."""
+    by = {(r["config"], r["round"]): r[field] for r in rows if r["connections"] == c}
+    rounds = sorted({r["round"] for r in rows})
+    return [by[config, n] / by[base, n] for n in rounds if (base, n) in by and (config, n) in by]
 
 
 if __name__ == "__main__":

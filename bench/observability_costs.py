@@ -1,7 +1,8 @@
 """In-process CPU cost of metrics, tracing and the prediction log per request, without the
 noise of a full-path run: the per-request bookkeeping (trace ids, eight stage marks, the
-metrics record and its fold), a sampled ``PredictionLogger.offer`` (one row of 32 features),
-and the writer's CPU per record (COPY on PostgreSQL, bulk_create on SQLite).
+metrics record and its fold), a sampled ``PredictionLogger.offer`` (one row of 32 features,
+queued as it is), and the writer's CPU per record (building it, then COPY on PostgreSQL or
+bulk_create on SQLite).
 
 Run: ``.venv/bin/python bench/observability_costs.py`` (uses ``DATABASE_URL`` when set; it
 creates its rows in a tenant of its own and deletes it afterwards).
@@ -107,9 +108,9 @@ def main() -> None:
     print("| --- | --- |")
     print(f"| request id + trace context (both configurations) | {ids:.1f} us |")
     print(f"| metrics: stage marks, record, fold | {metrics_us:.1f} us |")
-    print(f"| sampled offer (build the record) | {sampled:.1f} us per sampled request |")
+    print(f"| sampled offer (queue the tensors) | {sampled:.1f} us per sampled request |")
     how = "COPY" if django.db.connection.vendor == "postgresql" else "bulk_create"
-    print(f"| writer thread ({how}) | {writer:.1f} us per record |")
+    print(f"| writer thread (build the record, {how}) | {writer:.1f} us per record |")
     print(f"| metrics + 10 % logging, per request | {metrics_us + log_us:.1f} us |")
 
 
