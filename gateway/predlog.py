@@ -212,28 +212,12 @@ def build_record(
     latency_s: float,
     status: int,
     hash_key: bytes,
-    created_at: datetime | None = None,
 ) -> dict:
-    """The fields of one ``PredictionLog`` row."""
-    scores: list = []
-    score_name = score_output(route.task, route.outputs)
-    for name, array in outputs or ():
-        if name == score_name:
-            scores = row_scores(route.task, array)
-    return {
-        "tenant_id": route.tenant_id,
-        "model_id": route.model_id,
-        "version_id": route.version_id,
-        "arm": arm or "",
-        "request_id": request_id[:128],
-        "trace_id": trace_id[:32],
-        "inputs": input_columns(route, names, arrays, hash_key),
-        "outputs": output_columns(outputs),
-        "scores": scores,
-        "latency_ms": latency_s * 1000.0,
-        "status": status,
-        "created_at": created_at or datetime.now(UTC),
-    }
+    """The fields of one ``PredictionLog`` row, for a prediction answered now."""
+    sample = Sample(
+        route, arm, request_id, trace_id, names, arrays, outputs, latency_s, status, time.time()
+    )
+    return sample.record(hash_key)
 
 
 class Sample(NamedTuple):
@@ -251,19 +235,112 @@ class Sample(NamedTuple):
     at: float  # time.time() when answered
 
     def record(self, hash_key: bytes) -> dict:
-        return build_record(
-            self.route,
-            arm=self.arm,
-            request_id=self.request_id,
-            trace_id=self.trace_id,
-            names=self.names,
-            arrays=self.arrays,
-            outputs=self.outputs,
-            latency_s=self.latency_s,
-            status=self.status,
-            hash_key=hash_key,
-            created_at=datetime.fromtimestamp(self.at, UTC),
+        return next(build_records([self], hash_key))
+
+
+def stack_key(sample: Sample) -> tuple | None:
+    """Samples with equal keys can be built together by ``build_records``: the same route,
+    tensor names, and per tensor the dtype and the shape past the rows. None for a sample built
+    on its own: a tensor of higher rank or of text, or tensors of differing row counts."""
+    outputs = sample.outputs or ()
+    tensors = [*sample.arrays, *(a for _, a in outputs)]
+    if not tensors or not isinstance(tensors[0], np.ndarray) or tensors[0].ndim == 0:
+        return None
+    rows = len(tensors[0])
+    for a in tensors:
+        if not isinstance(a, np.ndarray) or a.ndim not in (1, 2) or a.dtype.kind not in "biuf":
+            return None
+        if len(a) != rows:
+            return None
+    return (
+        id(sample.route),
+        tuple(sample.names),
+        tuple(name for name, _ in outputs),
+        tuple((a.shape[1:], a.dtype.str) for a in tensors),
+    )
+
+
+def build_records(samples: Sequence[Sample], hash_key: bytes) -> Iterator[dict]:
+    """The records of one sample, or of several of one ``stack_key`` built from their tensors
+    stacked: one numpy pass over all their rows instead of one per sample, which halves the
+    writer's CPU per record for one-row requests. Whether a classifier's scores are logits is
+    judged over all the rows at once.
+
+    The columns are computed here (where a tensor that cannot be described raises); the
+    records come one at a time as they are consumed, so that each dies before the next is made
+    (thousands of held records had the garbage collector walking them over and over)."""
+    first = samples[0]
+    route = first.route
+    if len(samples) == 1:
+        arrays, outputs = list(first.arrays), list(first.outputs or ())
+    else:
+        arrays = [np.concatenate(c) for c in zip(*(s.arrays for s in samples), strict=True)]
+        stacked = zip(*([a for _, a in s.outputs or ()] for s in samples), strict=True)
+        names = [name for name, _ in first.outputs or ()]
+        outputs = list(zip(names, map(np.concatenate, stacked), strict=True))
+    inputs = input_columns(route, first.names, arrays, hash_key)
+    output_values = output_columns(outputs)
+    by_name = dict(outputs)
+    score_name = score_output(route.task, route.outputs)
+    scores = row_scores(route.task, by_name[score_name]) if score_name in by_name else []
+    if len(samples) == 1:
+        return iter(
+            [_fields(first) | {"inputs": inputs, "outputs": output_values, "scores": scores}]
         )
+    return _sliced(samples, inputs, output_values, scores)
+
+
+def _sliced(samples: Sequence[Sample], inputs: dict, outputs: dict, scores: list) -> Iterator[dict]:
+    """Each sample's record: its rows of the stacked columns."""
+    end = 0
+    for sample in samples:
+        start, end = end, end + len(sample.arrays[0])
+        yield _fields(sample) | {
+            "inputs": {column: values[start:end] for column, values in inputs.items()},
+            "outputs": {name: values[start:end] for name, values in outputs.items()},
+            "scores": scores[start:end],
+        }
+
+
+def _fields(sample: Sample) -> dict:
+    route = sample.route
+    return {
+        "tenant_id": route.tenant_id,
+        "model_id": route.model_id,
+        "version_id": route.version_id,
+        "arm": sample.arm or "",
+        "request_id": sample.request_id[:128],
+        "trace_id": sample.trace_id[:32],
+        "latency_ms": sample.latency_s * 1000.0,
+        "status": sample.status,
+        "created_at": datetime.fromtimestamp(sample.at, UTC),
+    }
+
+
+def batch_records(
+    batch: Sequence[Sample], hash_key: bytes, unrecordable: list[Sample]
+) -> Iterator[dict]:
+    """The records of a batch, as the write consumes them. Samples that stack are built
+    together; the rest, and a group that fails, one by one, so that a tensor we cannot describe
+    loses its own record (put in ``unrecordable``), not the batch."""
+    groups: dict[tuple | None, list[Sample]] = {}
+    for sample in batch:
+        groups.setdefault(stack_key(sample), []).append(sample)
+    for key, samples in groups.items():
+        if key is not None:
+            try:
+                together = build_records(samples, hash_key)
+            except Exception:
+                log.debug("prediction log: building %d records one by one", len(samples))
+            else:
+                yield from together
+                continue
+        for sample in samples:
+            try:
+                yield sample.record(hash_key)
+            except Exception:
+                log.exception("prediction log: could not record request %s", sample.request_id)
+                unrecordable.append(sample)
 
 
 class PredictionLogger:
@@ -370,28 +447,18 @@ class PredictionLogger:
             self._write([self._buffer.popleft() for _ in range(count)])
 
     def _write(self, batch: list[Sample]) -> None:
-        unrecordable = 0
-
-        def records() -> Iterator[dict]:
-            nonlocal unrecordable
-            for sample in batch:
-                try:
-                    yield sample.record(self.hash_key)
-                except Exception:  # a tensor we cannot describe loses its record, not the batch
-                    log.exception("prediction log: could not record request %s", sample.request_id)
-                    unrecordable += 1
-
+        unrecordable: list[Sample] = []
         try:
             close_old_connections()  # honour CONN_MAX_AGE and drop connections that broke
-            write_batch(records())
+            write_batch(batch_records(batch, self.hash_key, unrecordable))
         except Exception as exc:  # database down, locked or slow: losing samples beats stalling
             log.warning("prediction log: dropped %d records: %s", len(batch), exc)
             self._count_failed(len(batch))
             connection.close()  # never reuse a connection left in a failed state
         else:
-            self._count_failed(unrecordable)
-            self.written += len(batch) - unrecordable
-            WRITTEN.inc(len(batch) - unrecordable)
+            self._count_failed(len(unrecordable))
+            self.written += len(batch) - len(unrecordable)
+            WRITTEN.inc(len(batch) - len(unrecordable))
         with self._progress:
             self._settled += len(batch)
             self._progress.notify_all()

@@ -111,13 +111,13 @@ def test_the_share_logged_follows_the_sample_rate(rate):
 @pytest.mark.django_db
 def test_an_offer_only_queues_the_tensors_the_writer_builds_the_record(monkeypatch):
     built: list[str] = []
-    original = predlog.build_record
+    original = predlog.build_records
 
-    def spy(route, **fields):
-        built.append(fields["request_id"])
-        return original(route, **fields)
+    def spy(samples, hash_key):
+        built.extend(s.request_id for s in samples)
+        return original(samples, hash_key)
 
-    monkeypatch.setattr(predlog, "build_record", spy)
+    monkeypatch.setattr(predlog, "build_records", spy)
     logger = PredictionLogger(autostart=False)
     for i in range(3):
         assert offer(logger, make_route(rate=1.0), request_id=f"r{i}")
@@ -368,6 +368,82 @@ def test_a_prediction_that_cannot_be_recorded_is_dropped_and_counted_not_its_bat
     assert counter("dropped_write_failed") - before == 1
     logged = PredictionLog.objects.values_list("request_id", flat=True)
     assert sorted(logged) == ["fine-1", "fine-2"]
+
+
+def samples_of(route: Route, requests: list[tuple[np.ndarray, list]]) -> list[predlog.Sample]:
+    return [
+        predlog.Sample(route, "stable", f"r{i}", "t", ["features"], [x], outs, 0.002, 200, 1e9)
+        for i, (x, outs) in enumerate(requests)
+    ]
+
+
+@pytest.mark.parametrize(
+    "route, outputs_of",
+    [
+        (make_route(), lambda n: [("probabilities", np.full((n, 2), 0.5, np.float32))]),
+        (  # logits, several outputs, a 1-D one
+            make_route(personal={"amount": "hash", "hour": "redact"}),
+            lambda n: [
+                ("probabilities", np.linspace(-3, 3, 2 * n).reshape(n, 2)),
+                ("label", np.arange(n)),
+            ],
+        ),
+        (
+            make_route(
+                task=TaskKind.REGRESSOR,
+                outputs=({"name": "value", "datatype": "FP64", "shape": [-1, 1]},),
+            ),
+            lambda n: [("value", np.arange(n, dtype=np.float64).reshape(n, 1) / 3)],
+        ),
+    ],
+)
+def test_records_built_together_equal_records_built_one_by_one(route, outputs_of):
+    rng = np.random.default_rng(3)
+    requests = []
+    for n in (1, 3, 1, 2):
+        x = rng.normal(size=(n, 4)).astype(np.float32)
+        x[0, 2] = np.nan  # logged as null either way
+        requests.append((x, outputs_of(n)))
+    samples = samples_of(route, requests)
+    assert len({predlog.stack_key(s) for s in samples}) == 1
+    together = list(predlog.build_records(samples, KEY))
+    assert together == [s.record(KEY) for s in samples]
+    assert [len(r["inputs"]["amount"]) for r in together] == [1, 3, 1, 2]
+
+
+def test_samples_that_cannot_be_stacked_are_built_alone():
+    route = make_route()
+    x = np.zeros((2, 4), np.float32)
+    probs = np.full((2, 2), 0.5, np.float32)
+    key = predlog.stack_key
+    assert key(samples_of(route, [(x, [("probabilities", probs)])])[0]) is not None
+    images = samples_of(route, [(np.zeros((2, 3, 3)), [("probabilities", probs)])])[0]
+    text = samples_of(route, [(x, [("probabilities", np.array([["a", "b"]] * 2))])])[0]
+    uneven = samples_of(route, [(x, [("probabilities", probs[:1])])])[0]
+    assert key(images) is None and key(text) is None and key(uneven) is None
+    wider = samples_of(route, [(np.zeros((2, 5), np.float32), [("probabilities", probs)])])[0]
+    assert key(wider) != key(samples_of(route, [(x, [("probabilities", probs)])])[0])
+
+
+@pytest.mark.django_db
+def test_a_group_that_fails_to_build_together_is_built_one_by_one(monkeypatch):
+    original = predlog.build_records
+
+    def only_alone(samples, hash_key):
+        if len(samples) > 1:
+            raise ValueError("cannot stack")
+        return original(samples, hash_key)
+
+    monkeypatch.setattr(predlog, "build_records", only_alone)
+    written: list[dict] = []
+    monkeypatch.setattr(predlog, "write_batch", written.extend)
+    logger = PredictionLogger(autostart=False)
+    route = make_route()
+    for i in range(3):
+        offer(logger, route, n=2, request_id=f"r{i}")
+    logger.write_pending()
+    assert [r["request_id"] for r in written] == ["r0", "r1", "r2"]
+    assert logger.written == 3 and logger.dropped_write_failed == 0
 
 
 @contextmanager
