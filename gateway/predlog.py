@@ -254,9 +254,11 @@ def stack_key(sample: Sample) -> tuple | None:
             return None
     return (
         id(sample.route),
-        tuple(sample.names),
-        tuple(name for name, _ in outputs),
-        tuple((a.shape[1:], a.dtype.str) for a in tensors),
+        len(sample.names),
+        *sample.names,
+        *(name for name, _ in outputs),
+        *(a.dtype for a in tensors),
+        *(a.shape[1:] for a in tensors),
     )
 
 
