@@ -16,8 +16,10 @@ from one few-second slice to the next) falls on all of them alike; each copy's t
 CPU per request are compared with the "off" copy of the same round. Every round starts fresh
 processes, because two processes of the same configuration differ by a few per cent (memory
 layout, hash seeds) and one pair of them would bias a whole run. The table gives the median
-over rounds and the range. The PostgreSQL backends serving the bench's database are pinned to
-CPU 1 (in a deployment the database is a machine of its own), their CPU shown apart.
+over rounds and the range. The PostgreSQL server, all of its processes, is pinned to CPU 1 while
+the bench runs (in a deployment the database is a machine of its own), its CPU shown apart. The
+server's CPU is also split into its event-loop thread and its other threads (the prediction
+log's writer among them).
 
 Run: ``.venv/bin/python bench/observability_bench.py`` (needs wrk, PostgreSQL, redis-server).
 """
@@ -111,6 +113,21 @@ class Stack:
     def cpu(self) -> float:
         return cpu_seconds(self.server.popen.pid) + cpu_seconds(self.agent.popen.pid)
 
+    def threads(self) -> tuple[float, float]:
+        """CPU seconds the server's event-loop thread has run, and its other threads (the
+        prediction log's writer, the executor's database calls), from /proc's schedstat."""
+        main = other = 0.0
+        for task in Path(f"/proc/{self.server.popen.pid}/task").iterdir():
+            try:
+                ran = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (FileNotFoundError, ValueError):
+                continue  # a thread that ended meanwhile
+            if task.name == str(self.server.popen.pid):
+                main += ran
+            else:
+                other += ran
+        return main, other
+
     def stop(self) -> None:
         self.agent.stop()
         self.server.stop()
@@ -135,6 +152,7 @@ def together(
     seconds = seconds or args.seconds
     db_before = db.pin()
     before = {s.config: s.cpu() for s in stacks}
+    threads_before = {s.config: s.threads() for s in stacks}
     with ThreadPoolExecutor(len(stacks)) as pool:
         results = list(
             pool.map(lambda s: run_wrk(s.target, connections, seconds, key, args.body), stacks)
@@ -146,6 +164,10 @@ def together(
     rows = []
     for stack, result in zip(stacks, results, strict=True):
         requests = max(result["requests"], 1)
+        main, other = (
+            (now - then) * 1e6 / requests
+            for now, then in zip(stack.threads(), threads_before[stack.config], strict=True)
+        )
         rows.append(
             {
                 "config": stack.config,
@@ -157,50 +179,66 @@ def together(
                 "cpu_ms": (stack.cpu() - before[stack.config]) * 1000 / requests,
                 "db_cpu_ms": db_used * 1000 / logging if stack.logs else None,
                 "errors": result["errors"],
+                "main_us": main,
+                "threads_us": other,
             }
         )
     return rows
 
 
 class Database:
-    """The PostgreSQL backends serving the bench's database: pinned to CPU 1 beside wrk (in a
-    deployment the database is a machine of its own; its work must not be charged to the
-    gateway's core by chance of scheduling), and their CPU counted apart."""
+    """The PostgreSQL server, every process of it (backends, WAL writer, autovacuum workers
+    forked later), pinned to CPU 1 beside wrk while the bench runs: in a deployment the database
+    is a machine of its own, and its work must not land on the gateway's core by chance of
+    scheduling. Its CPU is counted apart."""
 
     def __init__(self, url: str) -> None:
-        self.admin_url = url.replace("postgres://", "postgresql://", 1)
-        self.name = url.rsplit("/", 1)[1]
-
-    def backends(self) -> list[int]:
         import psycopg
 
-        with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                [self.name],
-            ).fetchall()
-        return [pid for (pid,) in rows]
+        with psycopg.connect(url.replace("postgres://", "postgresql://", 1)) as conn:
+            data_dir = conn.execute("SHOW data_directory").fetchone()[0]
+        self.postmaster = int((Path(data_dir) / "postmaster.pid").read_text().split()[0])
 
-    def pin(self) -> dict[int, float]:
-        """Pin the current backends to CPU 1; their CPU seconds now."""
-        cpu = {}
-        for pid in self.backends():
+    def processes(self) -> list[int]:
+        pids = [self.postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                os.sched_setaffinity(pid, {1})
-                cpu[pid] = cpu_seconds(pid)
-            except ProcessLookupError:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == self.postmaster:
+                    pids.append(int(stat.parent.name))
+            except (FileNotFoundError, IndexError, ValueError):
+                pass
+        return pids
+
+    def pin(self, cpus: set[int] | None = None) -> dict[int, float]:
+        """Pin the server's processes to ``cpus`` (CPU 1); their CPU seconds now."""
+        cpu = {}
+        for pid in self.processes():
+            try:
+                os.sched_setaffinity(pid, cpus or {1})
+                cpu[pid] = own_cpu_seconds(pid)
+            except (ProcessLookupError, FileNotFoundError):
                 pass
         return cpu
 
-    @staticmethod
-    def used(before: dict[int, float]) -> float:
-        """CPU seconds since ``before`` of the backends still alive (a backend that closed
-        meanwhile is left out, not counted negative)."""
-        return sum(
-            cpu_seconds(pid) - start
-            for pid, start in before.items()
-            if Path(f"/proc/{pid}").exists()
-        )
+    def unpin(self) -> None:
+        self.pin(set(range(os.cpu_count() or 1)))
+
+    def used(self, before: dict[int, float]) -> float:
+        """CPU seconds of the server's processes since ``before`` (one started since counts
+        whole; one that ended meanwhile is left out)."""
+        total = 0.0
+        for pid in self.processes():
+            try:
+                total += own_cpu_seconds(pid) - before.get(pid, 0.0)
+            except FileNotFoundError:
+                pass
+        return total
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """User+system CPU of one process, without its children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -229,6 +267,7 @@ def main() -> None:
     backend = services_backend(tmp)
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"
     rows: list[dict] = []
+    db = None
     try:
         creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
         backend.shell(SETUP)
@@ -253,6 +292,8 @@ def main() -> None:
                     stack.stop()
         logged = int(backend.shell(COUNT_LOGS).strip())
     finally:
+        if db is not None:
+            db.unpin()
         backend.close()
         redis.terminate()
     table = render(rows, connections, configs, args, logged)
@@ -279,9 +320,10 @@ def render(rows: list[dict], connections: list[int], configs: list[str], args, l
         f"CPU 1 ({', '.join(map(str, connections))} connections per copy); {args.rounds} "
         f"rounds of fresh processes, {args.seconds} s each; medians.",
         "",
-        "| connections | config | req/s | p50 ms | p99 ms | server CPU ms/req | "
+        "| connections | config | req/s | p50 ms | p99 ms | server + agent CPU ms/req | "
+        "of which event loop µs/req | other server threads µs/req | "
         "PostgreSQL CPU ms/req | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in connections:
         for config in configs:
@@ -291,7 +333,8 @@ def render(rows: list[dict], connections: list[int], configs: list[str], args, l
             lines.append(
                 f"| {c} | {config} | {median(config, c, 'rps'):,.0f} | "
                 f"{median(config, c, 'p50_ms'):.2f} | {median(config, c, 'p99_ms'):.2f} | "
-                f"{median(config, c, 'cpu_ms'):.3f} | {db_cpu(config, c)} | "
+                f"{median(config, c, 'cpu_ms'):.3f} | {median(config, c, 'main_us'):.1f} | "
+                f"{median(config, c, 'threads_us'):.1f} | {db_cpu(config, c)} | "
                 f"{errors} |"
             )
     lines += [
@@ -299,7 +342,7 @@ def render(rows: list[dict], connections: list[int], configs: list[str], args, l
         f"Against {configs[0]} in the same round: the median ratio and its range over rounds.",
         "",
         f"| connections | config | throughput vs {configs[0]} | range over rounds | "
-        f"server CPU/req vs {configs[0]} |",
+        f"server + agent CPU/req vs {configs[0]} |",
         "| --- | --- | --- | --- | --- |",
     ]
     for c in connections:
