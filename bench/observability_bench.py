@@ -44,7 +44,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.oip_bench import SERVERS, _ok, cpu_seconds, run_wrk, start_redis  # noqa: E402
+from bench.oip_bench import (  # noqa: E402
+    SERVERS,
+    _children,
+    _ok,
+    cpu_seconds,
+    own_cpu_seconds,
+    run_wrk,
+    start_redis,
+)
 from tests.e2e.harness import PY, Proc, free_port, services_backend, wait_until  # noqa: E402
 
 CONFIGS = {
@@ -200,14 +208,7 @@ class Database:
         self.postmaster = int((Path(data_dir) / "postmaster.pid").read_text().split()[0])
 
     def processes(self) -> list[int]:
-        pids = [self.postmaster]
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == self.postmaster:
-                    pids.append(int(stat.parent.name))
-            except (FileNotFoundError, IndexError, ValueError):
-                pass
-        return pids
+        return [self.postmaster, *_children(self.postmaster)]
 
     def pin(self, cpus: set[int] | None = None) -> dict[int, float]:
         """Pin the server's processes to ``cpus`` (CPU 1); their CPU seconds now."""
@@ -233,12 +234,6 @@ class Database:
             except FileNotFoundError:
                 pass
         return total
-
-
-def own_cpu_seconds(pid: int) -> float:
-    """User+system CPU of one process, without its children."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

@@ -41,14 +41,18 @@ TICK = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float:
     """User+system CPU of a process and its children that are still running."""
     total = 0.0
-    pids = [pid] + _children(pid)
-    for p in pids:
+    for p in [pid, *_children(pid)]:
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICK
+            total += own_cpu_seconds(p)
         except (FileNotFoundError, IndexError):
             pass
     return total
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """User+system CPU of one process, without its children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def _children(pid: int) -> list[int]:

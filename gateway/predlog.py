@@ -244,14 +244,11 @@ def stack_key(sample: Sample) -> tuple | None:
     on its own: a tensor of higher rank or of text, or tensors of differing row counts."""
     outputs = sample.outputs or ()
     tensors = [*sample.arrays, *(a for _, a in outputs)]
-    if not tensors or not isinstance(tensors[0], np.ndarray) or tensors[0].ndim == 0:
+    stackable = all(
+        isinstance(a, np.ndarray) and a.ndim in (1, 2) and a.dtype.kind in "biuf" for a in tensors
+    )
+    if not tensors or not stackable or len({len(a) for a in tensors}) != 1:
         return None
-    rows = len(tensors[0])
-    for a in tensors:
-        if not isinstance(a, np.ndarray) or a.ndim not in (1, 2) or a.dtype.kind not in "biuf":
-            return None
-        if len(a) != rows:
-            return None
     return (
         id(sample.route),
         len(sample.names),
