@@ -3,12 +3,15 @@
 One copy of the serving path per configuration (PostgreSQL + Redis; each a uvicorn server and
 its own serving agent):
 
-- **off**: per-request metrics off (``SWITCHYARD_REQUEST_METRICS=0``); it serves the demo fraud
-  model, whose prediction log sampling is 0;
+- **off**: per-request metrics off (``SWITCHYARD_REQUEST_METRICS=0``) and the prediction log
+  off (``SWITCHYARD_PREDICTION_LOG=0``);
 - **off-again**: the same as off, a control: how far two identical copies differ by chance;
-- **metrics**: metrics on, the same model;
-- **on**: metrics on, serving ``fraud-logged`` — the same artifact as a second model whose log
-  sampling is 10 % (written to PostgreSQL by that server's background writer).
+- **metrics**: metrics on, the prediction log off;
+- **on**: both on: 10 % of the predictions logged, written to PostgreSQL by the server's
+  background writer.
+
+Every copy serves the same model, ``fraud-logged`` (the demo fraud model's artifact as a model
+whose log sampling is 10 %), so only the process settings differ.
 
 All servers and agents share CPU 0 (taskset); one wrk per copy, all on CPU 1, load every copy
 at the same time, so the machine's drift (on the development VM it moves throughput by ±20 %
@@ -55,19 +58,19 @@ from bench.oip_bench import (  # noqa: E402
 )
 from tests.e2e.harness import PY, Proc, free_port, services_backend, wait_until  # noqa: E402
 
+OFF = {"SWITCHYARD_REQUEST_METRICS": "0", "SWITCHYARD_PREDICTION_LOG": "0"}
 CONFIGS = {
-    "off": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "model": "fraud-detector"},
-    "off-again": {"env": {"SWITCHYARD_REQUEST_METRICS": "0"}, "model": "fraud-detector"},
-    "metrics": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "model": "fraud-detector"},
-    "on": {"env": {"SWITCHYARD_REQUEST_METRICS": "1"}, "model": "fraud-logged"},
+    "off": OFF,
+    "off-again": OFF,
+    "metrics": OFF | {"SWITCHYARD_REQUEST_METRICS": "1"},
+    "on": {"SWITCHYARD_REQUEST_METRICS": "1", "SWITCHYARD_PREDICTION_LOG": "1"},
 }
-# The demo model unlogged, and its artifact again as a model logged at 10 %.
+MODEL = "fraud-logged"
+# The demo model's artifact again as a model logged at 10 %.
 SETUP = """
 from registry.models import Model
 from registry.services import create_version, set_alias
 fraud = Model.objects.get(name='fraud-detector')
-fraud.log_sample_rate = 0.0
-fraud.save()
 source = fraud.aliases.get(name='production').version
 logged, _ = Model.objects.get_or_create(
     tenant=fraud.tenant, name='fraud-logged', defaults={'task': fraud.task, 'log_sample_rate': 0.1}
@@ -77,15 +80,13 @@ if not logged.versions.exists():
         version = create_version(logged, f.read(), feature_names=source.feature_names)
     set_alias(logged, 'production', version, reason='observability bench')
 """
-# How many live agents hold both fraud versions ready (each gateway must serve from its own).
+# How many live agents hold the served version ready (each gateway must serve from its own).
 READY_AGENTS = """
 from gateway.models import AgentSession
 from registry.models import Alias
-ids = set(Alias.objects.filter(
-    model__name__in=['fraud-detector', 'fraud-logged'], name='production'
-).values_list('version_id', flat=True))
+served = Alias.objects.get(model__name='fraud-logged', name='production').version_id
 live = AgentSession.objects.filter(disconnected_at__isnull=True)
-print(sum(1 for ready in live.values_list('ready_versions', flat=True) if ids <= set(ready)))
+print(sum(1 for ready in live.values_list('ready_versions', flat=True) if served in ready))
 """
 COUNT_LOGS = (
     "from gateway.models import PredictionLog; "
@@ -95,7 +96,7 @@ COUNT_LOGS = (
 
 def logs(config: str) -> bool:
     """Whether the configuration serves the model whose predictions are logged."""
-    return CONFIGS[config]["model"] == "fraud-logged"
+    return CONFIGS[config]["SWITCHYARD_PREDICTION_LOG"] == "1"
 
 
 class Stack:
@@ -105,13 +106,13 @@ class Stack:
         self.config = config
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**backend.env, "LOG_LEVEL": "WARNING", **CONFIGS[config]["env"]}
+        env = {**backend.env, "LOG_LEVEL": "WARNING", **CONFIGS[config]}
         server_cmd = SERVERS["uvicorn"].format(port=port).split()
         self.server = Proc(f"uvicorn-{config}", ["taskset", "-c", "0", PY, *server_cmd], env, tmp)
         agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {self.url} --token {token} "
         agent_cmd += f"--cache-dir {tmp / f'cache-{config}-{round_}'} --log-level WARNING"
         self.agent = Proc(f"agent-{config}", agent_cmd.split(), env, tmp)
-        self.target = f"{self.url}/v2/models/{CONFIGS[config]['model']}/infer"
+        self.target = f"{self.url}/v2/models/{MODEL}/infer"
         self.logs = logs(config)
 
     def wait_ready(self, key: str) -> None:

@@ -66,6 +66,7 @@ class GatewayState:
         # Folded into prometheus-client by the refresh loop.
         self.metrics = RequestMetrics(stage_every=cfg["STAGE_SAMPLE"])
         self.count_metrics = cfg["REQUEST_METRICS"]
+        self.log_predictions = cfg["PREDICTION_LOG"]
         self.predlog = PredictionLogger()
         # Text generation: each tenant's concurrent streams and tokens per minute.
         self.streams: StreamBudget = (
@@ -191,7 +192,12 @@ class GatewayState:
         if self.count_metrics:
             self.metrics.record(observed, status, seconds)
         route = observed.route
-        if route is not None and observed.arrays is not None and route.log_sample_rate > 0:
+        if (
+            self.log_predictions
+            and route is not None
+            and observed.arrays is not None
+            and route.log_sample_rate > 0
+        ):
             self.predlog.offer(
                 route,
                 arm=observed.arm,

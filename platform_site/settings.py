@@ -231,6 +231,9 @@ SWITCHYARD = {
     "PREDLOG_BUFFER": int(env("SWITCHYARD_PREDLOG_BUFFER", "10000")),
     "PREDLOG_BATCH": int(env("SWITCHYARD_PREDLOG_BATCH", "500")),
     "PREDLOG_FLUSH_S": float(env("SWITCHYARD_PREDLOG_FLUSH_S", "1")),
+    # 0 turns the prediction log off in this process whatever the models' sampling (shedding
+    # load off a struggling database; the benchmark's baseline).
+    "PREDICTION_LOG": env("SWITCHYARD_PREDICTION_LOG", "1") != "0",
     # Per-request Prometheus metrics on the data path (0 turns them off: the benchmark's
     # baseline; /metrics still serves the fleet's).
     "REQUEST_METRICS": env("SWITCHYARD_REQUEST_METRICS", "1") != "0",

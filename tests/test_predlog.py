@@ -17,7 +17,7 @@ from django.db import OperationalError, connection
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-from gateway import predlog
+from gateway import predlog, tracing
 from gateway.models import Feedback, PredictionLog
 from gateway.predlog import REDACTED, PredictionLogger, build_record, purge_expired_logs
 from gateway.routes import InputSpec, Route, route_of
@@ -444,6 +444,46 @@ def test_a_group_that_fails_to_build_together_is_built_one_by_one(monkeypatch):
     logger.write_pending()
     assert [r["request_id"] for r in written] == ["r0", "r1", "r2"]
     assert logger.written == 3 and logger.dropped_write_failed == 0
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="COPY and session settings")
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_is_one_copy_in_its_own_transaction_with_the_writers_settings(served):
+    """The writer's connection gets its timeout and asynchronous commit once; each batch is
+    one COPY in autocommit, so a row that fails the batch leaves none of it behind."""
+    good = record(served, ["x"], [np.ones((1, 4), np.float32)], None, request_id="good")
+    predlog.write_batch([good])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT name, setting FROM pg_settings"
+            " WHERE name IN ('statement_timeout', 'synchronous_commit')"
+        )
+        assert dict(cursor.fetchall()) == {
+            "statement_timeout": str(predlog.WRITE_TIMEOUT_MS),  # in ms
+            "synchronous_commit": "off",
+        }
+    assert not connection.in_atomic_block
+    bad = good | {"request_id": "bad-batch", "version_id": 10**9}  # no such version
+    with pytest.raises(Exception, match="version_id"):
+        predlog.write_batch([good | {"request_id": "with-a-bad-row"}, bad])
+    assert list(PredictionLog.objects.values_list("request_id", flat=True)) == ["good"]
+
+
+def test_the_prediction_log_can_be_switched_off_per_process(settings, world):
+    """SWITCHYARD_PREDICTION_LOG=0: a process that logs nothing, whatever the sampling."""
+    from gateway.metrics import Observed
+    from gateway.state import GatewayState
+
+    route = make_route(rate=1.0)
+    for enabled, pending in ((True, 1), (False, 0)):
+        settings.SWITCHYARD = settings.SWITCHYARD | {"PREDICTION_LOG": enabled}
+        state = GatewayState()
+        state.predlog = PredictionLogger(autostart=False)
+        observed = Observed(tracing.start_trace(None, None))
+        observed.route, observed.names = route, ["features"]
+        observed.arrays, observed.outputs = [np.ones((1, 4), np.float32)], None
+        state.observe(observed, 200)
+        assert state.predlog.pending == pending
 
 
 @contextmanager
