@@ -120,7 +120,9 @@ def test_a_stock_triton_client_works_unchanged(tmp_path):
         key = create_tenant(backend, "t")
         url = f"http://127.0.0.1:{port}"
         agent = start_agent(backend, url, create_node(backend, "n"))
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ) as c:
             upload_and_promote(c, "clf", small_onnx())
             wait_ready(c, "clf", proc=agent)
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")

@@ -46,7 +46,11 @@ def platform(request, tmp_path_factory):
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
     with platform_with_agent(request.param, tmp, env) as (backend, url, procs):
         key = create_tenant(backend, "t")
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
+        # Generous: uploading a version on a slow machine (the server validates the artifact)
+        # took longer than httpx's default 5 s.
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ) as api:
             created = api.post("/api/v1/models", json={"name": MODEL, "task": "generator"})
             assert created.status_code == 201, created.text
             files = {"artifact": ("w.safetensors", textgen_artifact(**LONG), "application/x")}
