@@ -95,7 +95,7 @@ COUNT_LOGS = (
 
 
 def logs(config: str) -> bool:
-    """Whether the configuration serves the model whose predictions are logged."""
+    """Whether the configuration has the prediction log on (its writer uses the database)."""
     return CONFIGS[config]["SWITCHYARD_PREDICTION_LOG"] == "1"
 
 
