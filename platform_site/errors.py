@@ -1,14 +1,20 @@
-"""One error shape for the whole API: ``{"error": "<field>: <problem>", "fields": {...}}``."""
+"""The errors domain code raises, and the API's one error shape for them:
+``{"error": "<field>: <problem>", "fields": {...}}``.
+
+Domain functions raise these (or Django's ``ValidationError``), never DRF's exceptions: the
+API's exception handler below, the web pages and the data path each answer them in their own
+protocol.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
-
-from registry.signature import SignatureError
 
 
 class Conflict(Exception):
@@ -19,12 +25,26 @@ class Forbidden(Exception):
     """The caller's role or identity does not allow this change: the API answers 403."""
 
 
+class NotFound(Http404):
+    """A lookup through the caller's tenant found nothing: 404 in the API and the pages.
+
+    It is Django's ``Http404``, so a page view needs no handler of its own for it."""
+
+
+class Invalid(ValueError):
+    """A value the caller sent is not acceptable: the API answers 400 naming ``field``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class _ConflictError(exceptions.APIException):
     status_code = 409
     default_code = "conflict"
 
 
-def _flatten(detail, prefix: str = "") -> list[str]:
+def _flatten(detail: Any, prefix: str = "") -> list[str]:
     if isinstance(detail, dict):
         out = []
         for key, value in detail.items():
@@ -36,28 +56,33 @@ def _flatten(detail, prefix: str = "") -> list[str]:
     return [f"{prefix}: {detail}" if prefix else str(detail)]
 
 
-def api_exception_handler(exc, context):
-    if isinstance(exc, SignatureError):
-        exc = exceptions.ValidationError({exc.field: [str(exc)]})
-    elif isinstance(exc, DjangoValidationError):
-        exc = exceptions.ValidationError(
+def _as_drf(exc: Exception) -> Exception:
+    """The DRF exception that answers a domain error (others pass through unchanged)."""
+    if isinstance(exc, Invalid):
+        return exceptions.ValidationError({exc.field: [str(exc)]})
+    if isinstance(exc, DjangoValidationError):
+        return exceptions.ValidationError(
             exc.message_dict if hasattr(exc, "error_dict") else {"detail": exc.messages}
         )
-    elif isinstance(exc, Conflict):
-        exc = _ConflictError(str(exc))
-    elif isinstance(exc, Forbidden):
-        exc = exceptions.PermissionDenied(str(exc))
-    elif isinstance(exc, Http404):
-        exc = exceptions.NotFound(str(exc) or "not found")
-    response = exception_handler(exc, context)
+    if isinstance(exc, Conflict):
+        return _ConflictError(str(exc))
+    if isinstance(exc, Forbidden):
+        return exceptions.PermissionDenied(str(exc))
+    if isinstance(exc, Http404):
+        return exceptions.NotFound(str(exc) or "not found")
+    return exc
+
+
+def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    response = exception_handler(_as_drf(exc), context)
     if response is None:
         return None
     detail = response.data
-    body = {"error": "; ".join(_flatten(detail)) or "error"}
+    body: dict[str, Any] = {"error": "; ".join(_flatten(detail)) or "error"}
     if isinstance(detail, dict) and set(detail) - {"detail"}:
         body["fields"] = detail
     return Response(body, status=response.status_code, headers=_keep_headers(response))
 
 
-def _keep_headers(response) -> dict:
+def _keep_headers(response: Response) -> dict[str, str]:
     return {k: v for k, v in response.items() if k in ("WWW-Authenticate", "Retry-After", "Allow")}

@@ -7,6 +7,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
+from platform_site.errors import Invalid
 from serving_agent.protocol import OIP_TO_NUMPY
 
 # ONNX element types that map onto Open Inference Protocol v2 datatypes.
@@ -26,12 +27,8 @@ _ONNX_TO_OIP = {
 }
 
 
-class SignatureError(ValueError):
+class SignatureError(Invalid):
     """The artifact or the declared signature is not acceptable; the message names the field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 def _tensors(values: Any, kind: str) -> list[dict]:

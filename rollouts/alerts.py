@@ -18,6 +18,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from platform_site.errors import Conflict
+from platform_site.jobs import send_on_commit
 from tenants.models import Tenant
 
 from .audit import Actor, audit
@@ -71,9 +72,7 @@ def raise_alert(
     except IntegrityError:  # another worker opened it first
         return Alert.objects.get(tenant_id=tenant_id, key=key, resolved_at=None), False
     if alert.webhook_state == "pending":
-        from .tasks import deliver_alert
-
-        transaction.on_commit(lambda: deliver_alert.delay(alert.pk))
+        send_on_commit("rollouts.tasks.deliver_alert", alert.pk)
     return alert, True
 
 

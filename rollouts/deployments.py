@@ -14,14 +14,13 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Q, QuerySet
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
-from rest_framework import serializers
 
 from gateway.models import AgentSession
-from platform_site.errors import Conflict
+from platform_site.errors import Conflict, NotFound
 from registry.models import ModelVersion
 
 from .audit import Actor, audit
@@ -68,7 +67,10 @@ def deployments_of(tenant_id: int) -> QuerySet[Deployment]:
 
 
 def get_deployment(tenant_id: int, deployment_id: int) -> Deployment:
-    return get_object_or_404(deployments_of(tenant_id), pk=deployment_id)
+    found = deployments_of(tenant_id).filter(pk=deployment_id).first()
+    if found is None:
+        raise NotFound(f"no deployment {deployment_id}")
+    return found
 
 
 def version_of(tenant_id: int, model: str, number: int) -> ModelVersion:
@@ -77,17 +79,17 @@ def version_of(tenant_id: int, model: str, number: int) -> ModelVersion:
         model__tenant_id=tenant_id, model__name=model
     )
     if not found.exists():
-        raise serializers.ValidationError({"model": f"this tenant has no model named {model!r}"})
+        raise ValidationError({"model": f"this tenant has no model named {model!r}"})
     version = found.filter(version=number).first()
     if version is None:
-        raise serializers.ValidationError({"version": f"model {model!r} has no version {number}"})
+        raise ValidationError({"version": f"model {model!r} has no version {number}"})
     return version
 
 
 def pool_named(name: str) -> Pool:
     pool = Pool.objects.filter(name=name).first()
     if pool is None:
-        raise serializers.ValidationError({"pool": f"there is no pool named {name!r}"})
+        raise ValidationError({"pool": f"there is no pool named {name!r}"})
     return pool
 
 

@@ -28,6 +28,7 @@ from django.db.models import QuerySet, Sum
 from django.utils import timezone
 
 from gateway.models import AgentSession, Node
+from platform_site.jobs import send
 from registry.models import ModelVersion
 from tenants.models import Quota
 
@@ -373,11 +374,9 @@ def wake(version_id: int) -> bool:
     if not woken:
         return False
     Deployment.objects.filter(pk__in=woken).update(woken_at=timezone.now())
-    from .tasks import autoscale
-
     for pk in woken:
         try:
-            autoscale.apply_async(kwargs={"deployment_id": pk}, expires=60)
+            send("rollouts.tasks.autoscale", kwargs={"deployment_id": pk}, expires=60)
         except Exception as exc:  # the broker is down: beat's next tick still sees the wake
             log.warning("could not queue an autoscale run for a cold start: %s", exc)
     return True

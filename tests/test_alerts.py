@@ -124,10 +124,12 @@ def test_resolving_closes_it_and_a_later_raise_opens_a_new_one(world):
 
 
 def run_deliveries_now(monkeypatch):
-    """The worker, in process: ``deliver_alert.delay`` runs the task eagerly (its retries too,
-    without the countdown)."""
+    """The worker, in process: queueing ``deliver_alert`` (by name) runs the task eagerly (its
+    retries too, without the countdown)."""
     monkeypatch.setattr(
-        tasks.deliver_alert, "delay", lambda pk: tasks.deliver_alert.apply(args=[pk])
+        tasks.deliver_alert,
+        "apply_async",
+        lambda args, kwargs=None, **options: tasks.deliver_alert.apply(args=args),
     )
 
 
