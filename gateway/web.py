@@ -14,9 +14,9 @@ from django.views.decorators.http import require_POST
 from registry.services import models_of
 from rollouts.alerts import open_alerts
 from rollouts.approvals import evidence_of, pending_count
-from rollouts.audit import audit_events
-from rollouts.models import ApprovalRequest, AuditEvent, PlanMode, RequestState, RolloutPlan
-from tenants.models import Role
+from rollouts.models import ApprovalRequest, PlanMode, RequestState, RolloutPlan
+from tenants.audit import audit_events
+from tenants.models import AuditEvent, Role
 
 from .web_data import dashboard_snapshot, fleet_snapshot, plan_snapshot
 from .web_tenancy import SESSION_KEY, can_write, memberships_of, tenant_view

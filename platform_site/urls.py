@@ -25,6 +25,7 @@ urlpatterns = [
     path("api/v1/", include("gateway.api.urls")),
     path("api/v1/", include("registry.api.urls")),
     path("api/v1/", include("rollouts.api.urls")),
+    path("api/v1/", include("tenants.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     # OpenAI-compatible text generation (base URL http://HOST/v1 for OpenAI clients).

@@ -9,7 +9,7 @@ from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
-from rollouts.audit import SYSTEM, Actor, audit
+from tenants.audit import SYSTEM, Actor, audit
 
 from .models import Alias, ArtifactFormat, Model, ModelVersion
 from .signature import (

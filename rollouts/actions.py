@@ -12,9 +12,9 @@ from django.utils import timezone
 from platform_site.errors import Conflict
 from registry.models import Model, ModelVersion
 from registry.services import set_alias
+from tenants.audit import Actor, audit
 
 from .alerts import raise_alert
-from .audit import Actor, audit
 from .models import (
     OPEN_REQUEST_STATES,
     AlertKind,

@@ -1,4 +1,5 @@
-"""Admin for rollout plans (read-mostly: changes go through the API's actions) and the audit log."""
+"""Admin for rollout plans and approval requests (read-only: changes go through the API's
+actions), and the fleet."""
 
 from datetime import timedelta
 
@@ -7,17 +8,10 @@ from django.contrib import admin
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from .audit import user_actor
+from tenants.audit import user_actor
+
 from .deployments import SETTINGS, create_deployment, delete_deployment, update_deployment
-from .models import (
-    ApprovalRequest,
-    AuditEvent,
-    Deployment,
-    PlanArm,
-    Pool,
-    RolloutPlan,
-    ScalingDecision,
-)
+from .models import ApprovalRequest, Deployment, PlanArm, Pool, RolloutPlan, ScalingDecision
 
 INLINE_DECISIONS_MIN = 10
 
@@ -55,22 +49,6 @@ class ApprovalRequestAdmin(admin.ModelAdmin):
         return [f.name for f in ApprovalRequest._meta.fields]
 
     def has_add_permission(self, request):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-
-@admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "tenant", "actor_label", "action", "target", "reason"]
-    list_filter = ["tenant", "action"]
-    search_fields = ["target", "actor_label", "reason"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
         return False
 
     def has_delete_permission(self, request, obj=None):

@@ -19,9 +19,9 @@ from django.utils import timezone
 
 from platform_site.errors import Conflict
 from platform_site.jobs import send_on_commit
+from tenants.audit import Actor, audit
 from tenants.models import Tenant
 
-from .audit import Actor, audit
 from .models import Alert
 
 log = logging.getLogger(__name__)

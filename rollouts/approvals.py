@@ -24,10 +24,10 @@ from gateway.quality import quality_by_version
 from platform_site.errors import Conflict, Forbidden
 from registry.models import Alias, Model, ModelVersion
 from registry.services import set_alias
+from tenants.audit import Actor, audit
 from tenants.models import Role
 
 from . import actions, drift
-from .audit import Actor, audit
 from .metrics import arm_stats, metrics_diff, plan_arm_metrics
 from .models import (
     ACTIVE_STATES,

@@ -22,8 +22,8 @@ from django.utils import timezone
 from gateway.models import AgentSession
 from platform_site.errors import Conflict, NotFound
 from registry.models import ModelVersion
+from tenants.audit import Actor, audit
 
-from .audit import Actor, audit
 from .cluster import ClusterError
 from .fleet import backend_for, live_sessions
 from .models import Deployment, Pool

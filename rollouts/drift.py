@@ -41,9 +41,9 @@ from scipy.stats import ks_2samp
 
 from gateway.models import PredictionLog
 from registry.models import Model, ModelVersion
+from tenants.audit import Actor, audit
 
 from .alerts import raise_alert, resolve_alert
-from .audit import Actor, audit
 from .models import AlertKind, DriftReport, ReferenceSample
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Rollout plans that move an alias's traffic between versions, and the append-only audit log."""
+"""Rollout plans that move an alias's traffic between versions."""
 
 from __future__ import annotations
 
@@ -112,36 +112,6 @@ class PlanArm(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}: v{self.version.version} ({self.weight:g}%)"
-
-
-class AuditEvent(models.Model):
-    """An append-only record of a state change: who, what, before, after, why."""
-
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="audit")
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
-    )
-    actor_label = models.CharField(max_length=150)
-    action = models.CharField(max_length=50)
-    target = models.CharField(max_length=200)
-    before = models.JSONField(default=dict, blank=True)
-    after = models.JSONField(default=dict, blank=True)
-    reason = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-
-    class Meta:
-        ordering = ["-created_at", "-pk"]
-
-    def __str__(self) -> str:
-        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target}"
-
-    def save(self, *args, **kwargs) -> None:
-        if self.pk is not None:
-            raise ValidationError("Audit events are append-only.")
-        super().save(*args, **kwargs)
-
-    def delete(self, *args, **kwargs):
-        raise ValidationError("Audit events are append-only.")
 
 
 class RequestKind(models.TextChoices):

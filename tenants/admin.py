@@ -1,11 +1,11 @@
-"""Admin for tenants, members, quotas and API keys (a new key is shown once, at creation)."""
+"""Admin for tenants, members, quotas, API keys (a new key is shown once, at creation) and the
+read-only audit log."""
 
 from django.contrib import admin, messages
 
-from rollouts.audit import user_actor
-
+from .audit import user_actor
 from .keys import create_api_key, revoke_api_key
-from .models import ApiKey, Membership, Quota, Tenant
+from .models import ApiKey, AuditEvent, Membership, Quota, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -61,3 +61,19 @@ class ApiKeyAdmin(admin.ModelAdmin):
 class MembershipAdmin(admin.ModelAdmin):
     list_display = ["user", "tenant", "role"]
     list_filter = ["tenant", "role"]
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "tenant", "actor_label", "action", "target", "reason"]
+    list_filter = ["tenant", "action"]
+    search_fields = ["target", "actor_label", "reason"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -9,6 +9,7 @@ from rest_framework import authentication, exceptions, permissions
 
 from platform_site.tokens import bearer
 
+from .audit import Actor
 from .keys import KeyIdentity, identify_key
 from .models import ApiKey, Membership, Role
 
@@ -85,3 +86,10 @@ class TenantRolePermission(permissions.BasePermission):
         caller = caller_of(request)
         request.caller = caller
         return request.method in permissions.SAFE_METHODS or caller.role in WRITE_ROLES
+
+
+def actor_of(request) -> Actor:
+    """The caller as an actor: a user with their tenant role, or an API key (no user)."""
+    caller = request.caller
+    label = str(request.user) if caller.user_id is None else request.user.get_username()
+    return Actor(caller.user_id, label, caller.role)

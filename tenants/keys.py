@@ -9,8 +9,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
-from rollouts.audit import SYSTEM, Actor, audit
 
+from .audit import SYSTEM, Actor, audit
 from .models import ApiKey, Quota, Tenant
 
 KEY_KIND = "sy"

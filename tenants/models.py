@@ -1,6 +1,7 @@
-"""Tenants, their members and roles, API keys (stored hashed) and quotas."""
+"""Tenants, their members and roles, API keys (stored hashed), quotas and the audit log."""
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
@@ -95,3 +96,34 @@ class ApiKey(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+class AuditEvent(models.Model):
+    """An append-only record of a state change: who, what, before, after, why."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="audit")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    actor_label = models.CharField(max_length=150)
+    action = models.CharField(max_length=50)
+    target = models.CharField(max_length=200)
+    before = models.JSONField(default=dict, blank=True)
+    after = models.JSONField(default=dict, blank=True)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        db_table = "rollouts_auditevent"  # created by the rollouts app, moved here with its rows
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target}"
+
+    def save(self, *args, **kwargs) -> None:
+        if self.pk is not None:
+            raise ValidationError("Audit events are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise ValidationError("Audit events are append-only.")

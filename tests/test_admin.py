@@ -8,9 +8,8 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from gateway.models import Node
 from gateway.nodes import authenticate_node
 from registry.models import ModelVersion
-from rollouts.models import AuditEvent
 from tenants.keys import identify_key
-from tenants.models import ApiKey
+from tenants.models import ApiKey, AuditEvent
 from tests.factories import make_model, make_tenant
 
 
@@ -57,10 +56,10 @@ def test_audit_and_approvals_are_read_only_in_the_admin(admin_client, db):
     tenant = make_tenant("acme")
     admin_client.post("/admin/tenants/apikey/add/", {"tenant": tenant.pk, "name": "ci"})
     event = AuditEvent.objects.get()
-    assert admin_client.get("/admin/rollouts/auditevent/?action=key.create").status_code == 200
-    page = admin_client.get(f"/admin/rollouts/auditevent/{event.pk}/change/").content.decode()
+    assert admin_client.get("/admin/tenants/auditevent/?action=key.create").status_code == 200
+    page = admin_client.get(f"/admin/tenants/auditevent/{event.pk}/change/").content.decode()
     assert 'name="_save"' not in page
-    assert admin_client.get("/admin/rollouts/auditevent/add/").status_code == 403
+    assert admin_client.get("/admin/tenants/auditevent/add/").status_code == 403
     assert admin_client.get("/admin/rollouts/approvalrequest/").status_code == 200
     assert admin_client.get("/admin/rollouts/approvalrequest/add/").status_code == 403
 

@@ -13,7 +13,8 @@ from rest_framework.test import APIClient
 
 from rollouts import tasks
 from rollouts.alerts import open_alerts, raise_alert, resolve_alert
-from rollouts.models import Alert, AuditEvent
+from rollouts.models import Alert
+from tenants.models import AuditEvent
 from tests.factories import make_member, make_model
 
 

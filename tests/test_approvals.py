@@ -13,9 +13,9 @@ from gateway.models import TrafficSample
 from gateway.traffic import Counts
 from rollouts import actions
 from rollouts.approvals import promote_when_approved
-from rollouts.audit import user_actor
-from rollouts.models import ApprovalRequest, AuditEvent, RolloutPlan
-from tenants.models import Role
+from rollouts.models import ApprovalRequest, RolloutPlan
+from tenants.audit import user_actor
+from tenants.models import AuditEvent, Role
 from tests.factories import make_key, make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx
 

@@ -23,10 +23,11 @@ from gateway.traffic import Counts
 from registry.models import ModelVersion
 from rollouts import actions, drift
 from rollouts.approvals import evidence_now, request_promotion
-from rollouts.audit import Actor
 from rollouts.guardrails import evaluate
-from rollouts.models import Alert, AuditEvent, DriftReport, PlanState, ReferenceSample
+from rollouts.models import Alert, DriftReport, PlanState, ReferenceSample
 from rollouts.tasks import detect_drift as detect_drift_task
+from tenants.audit import Actor
+from tenants.models import AuditEvent
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 

@@ -12,9 +12,10 @@ from rest_framework.test import APIClient
 
 from gateway.models import AgentSession
 from gateway.nodes import create_node
-from rollouts.audit import SYSTEM
 from rollouts.deployments import update_deployment
-from rollouts.models import AuditEvent, Deployment, Pool, ScalingDecision
+from rollouts.models import Deployment, Pool, ScalingDecision
+from tenants.audit import SYSTEM
+from tenants.models import AuditEvent
 from tests.factories import make_model, make_session, make_version
 from tests.onnx_models import small_onnx
 

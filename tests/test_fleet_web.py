@@ -13,7 +13,8 @@ from django.utils import timezone
 
 from gateway.models import AgentSession
 from gateway.nodes import create_node
-from rollouts.models import AuditEvent, Deployment, Pool, ScalingDecision
+from rollouts.models import Deployment, Pool, ScalingDecision
+from tenants.models import AuditEvent
 from tests.factories import make_model, make_session, make_version
 
 GIB = 1 << 30

@@ -10,11 +10,11 @@ from gateway.models import TrafficSample
 from gateway.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
 from rollouts.actions import Actor, start_plan
 from rollouts.approvals import approve
-from rollouts.audit import user_actor
 from rollouts.guardrails import ArmStats, evaluate, judge
-from rollouts.models import ApprovalRequest, AuditEvent, PlanState
+from rollouts.models import ApprovalRequest, PlanState
 from rollouts.tasks import evaluate_rollouts
-from tenants.models import Role
+from tenants.audit import user_actor
+from tenants.models import AuditEvent, Role
 from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 

@@ -165,7 +165,7 @@ def test_api_docs_page_serves_its_assets_locally(client, db):
 
 
 def test_monitoring_settings_of_a_model_change_audited_and_bounded(world, api_a):
-    from rollouts.models import AuditEvent
+    from tenants.models import AuditEvent
 
     make_model(world.a, "clf")
     changed = api_a.patch(

@@ -4,8 +4,9 @@ tenant isolation enforced."""
 import pytest
 from rest_framework.test import APIClient
 
-from rollouts.models import AuditEvent, RolloutPlan
+from rollouts.models import RolloutPlan
 from rollouts.routing import active_split
+from tenants.models import AuditEvent
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 

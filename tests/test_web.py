@@ -15,9 +15,8 @@ from django.test import Client
 from gateway.live import LiveConsumer
 from gateway.web_tenancy import SESSION_KEY
 from rollouts import actions, approvals
-from rollouts.audit import Actor
-from rollouts.models import AuditEvent
-from tenants.models import Membership
+from tenants.audit import Actor
+from tenants.models import AuditEvent, Membership
 from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 

@@ -15,12 +15,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from rollouts.api.serializers import ApprovalSerializer
-from rollouts.api.views import actor_of, approval_response
+from rollouts.api.views import approval_response
 from rollouts.approvals import move_alias
-from rollouts.audit import audit
 from rollouts.drift import set_reference_upload
 from rollouts.models import ApprovalRequest
-from tenants.authentication import TenantRolePermission
+from tenants.audit import audit
+from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import services
 from ..models import Model, ModelVersion

@@ -14,12 +14,12 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from tenants.authentication import WRITE_ROLES, TenantRolePermission
+from tenants.authentication import WRITE_ROLES, TenantRolePermission, actor_of
 from tenants.models import Tenant
 
 from ..alerts import resolve_by_hand, set_webhook_url
 from ..models import Alert, AlertKind
-from .views import _valid, actor_of
+from .views import _valid
 
 # Serializers ---------------------------------------------------------------------------------
 

@@ -15,11 +15,10 @@ from rest_framework.views import APIView
 
 from registry.models import Model, ModelVersion
 from registry.services import models_of
-from tenants.authentication import TenantRolePermission
+from tenants.authentication import TenantRolePermission, actor_of
 
 from ..drift import reference_summary, set_reference_upload, set_reference_window
 from ..models import DriftReport, ReferenceSample
-from .views import actor_of
 
 # Serializers ---------------------------------------------------------------------------------
 

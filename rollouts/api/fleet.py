@@ -14,7 +14,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from tenants.authentication import TenantRolePermission
+from tenants.authentication import TenantRolePermission, actor_of
 
 from ..deployments import (
     IDENTITY,
@@ -31,7 +31,6 @@ from ..deployments import (
     version_of,
 )
 from ..models import Deployment, Pool, ScalingDecision
-from .views import actor_of
 
 # Serializers ---------------------------------------------------------------------------------
 

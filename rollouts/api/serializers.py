@@ -1,9 +1,9 @@
-"""DRF serializers for rollout plans and audit events."""
+"""DRF serializers for rollout plans, promotions and approval requests."""
 
 from rest_framework import serializers
 
 from ..approvals import evidence_of
-from ..models import ApprovalRequest, AuditEvent, PlanMode, RequestKind, RequestState, RolloutPlan
+from ..models import ApprovalRequest, PlanMode, RequestKind, RequestState, RolloutPlan
 from ..shadow import shadow_summary
 
 
@@ -85,13 +85,6 @@ class ReasonSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class AuditSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = AuditEvent
-        fields = ["created_at", "actor_label", "action", "target", "before", "after", "reason"]
-        read_only_fields = fields
-
-
 class ApprovalSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
     from_version = serializers.IntegerField(
@@ -143,14 +136,6 @@ class PromotionSerializer(serializers.Serializer):
 
 class CommentSerializer(serializers.Serializer):
     comment = serializers.CharField(required=False, allow_blank=True, default="")
-
-
-class AuditFilter(serializers.Serializer):
-    action = serializers.CharField(required=False, help_text="exact action, e.g. plan.weight")
-    actor = serializers.CharField(required=False, help_text="actor label contains")
-    q = serializers.CharField(required=False, help_text="target or reason contains")
-    since = serializers.DateTimeField(required=False)
-    limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
 
 
 class ArmMetricsSerializer(serializers.Serializer):

@@ -16,7 +16,6 @@ urlpatterns = [
     path("approvals/<int:request_id>", views.ApprovalDetailView.as_view()),
     path("approvals/<int:request_id>/approve", views.ApproveView.as_view()),
     path("approvals/<int:request_id>/reject", views.RejectView.as_view()),
-    path("audit", views.AuditView.as_view()),
     path("deployments", fleet.DeploymentListView.as_view()),
     path("deployments/<int:deployment_id>", fleet.DeploymentDetailView.as_view()),
     path("deployments/<int:deployment_id>/decisions", fleet.DecisionListView.as_view()),

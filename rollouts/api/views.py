@@ -11,17 +11,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry.services import models_of
-from tenants.authentication import TenantRolePermission
+from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import actions, approvals
-from ..audit import Actor, audit_events
 from ..metrics import metrics_diff, plan_arm_metrics
 from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
     ApprovalFilter,
     ApprovalSerializer,
-    AuditFilter,
-    AuditSerializer,
     CommentSerializer,
     PlanCreateSerializer,
     PlanMetricsSerializer,
@@ -30,13 +27,6 @@ from .serializers import (
     ReasonSerializer,
     WeightSerializer,
 )
-
-
-def actor_of(request) -> Actor:
-    """The caller as an actor: a user with their tenant role, or an API key (no user)."""
-    caller = request.caller
-    label = str(request.user) if caller.user_id is None else request.user.get_username()
-    return Actor(caller.user_id, label, caller.role)
 
 
 def _valid(serializer_class, data):
@@ -255,13 +245,3 @@ class ApproveView(ApprovalDecisionView):
 
 class RejectView(ApprovalDecisionView):
     decide = staticmethod(approvals.reject)
-
-
-class AuditView(APIView):
-    permission_classes = [TenantRolePermission]
-
-    @extend_schema(parameters=[AuditFilter], responses=AuditSerializer(many=True))
-    def get(self, request):
-        where = _valid(AuditFilter, request.query_params)
-        events = audit_events(request.caller.tenant_id, where)[: where["limit"]]
-        return Response(AuditSerializer(events, many=True).data)

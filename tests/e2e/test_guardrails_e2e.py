@@ -59,7 +59,7 @@ def test_slow_candidate_is_rolled_back_by_the_beat_task(backend_name, tmp_path):
 APPROVE_PENDING = """
 from django.contrib.auth import get_user_model
 from rollouts.approvals import approve
-from rollouts.audit import user_actor
+from tenants.audit import user_actor
 from rollouts.models import ApprovalRequest
 from tenants.models import Membership, Role, Tenant
 user = get_user_model().objects.create_user("ann")

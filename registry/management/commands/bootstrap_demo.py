@@ -19,8 +19,8 @@ from gateway.nodes import create_node, rotate_node_token
 from registry.demo import FEATURE_NAMES, train_fraud_model
 from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
-from rollouts.audit import user_actor
 from rollouts.models import ClusterKind, Deployment, Pool
+from tenants.audit import user_actor
 from tenants.keys import create_api_key, identify_key
 from tenants.models import Membership, Quota, Role, Tenant
 

@@ -5,7 +5,7 @@ import json as jsonlib
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from rollouts.audit import Actor
+from tenants.audit import Actor
 from tenants.keys import create_api_key
 from tenants.models import Quota, Tenant
 
