@@ -15,9 +15,7 @@ from django.db import migrations
 CONTENTTYPES = ("contenttypes", "0002_remove_content_type_name")
 
 
-def move_content_types(
-    old_app: str, new_app: str, models: Iterable[str]
-) -> migrations.RunPython:
+def move_content_types(old_app: str, new_app: str, models: Iterable[str]) -> migrations.RunPython:
     """Relabel the content types of ``models`` (lower-case model names) from ``old_app`` to
     ``new_app``; reversible. A fresh database has none yet (they are made after ``migrate``)."""
     names = list(models)
