@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from registry.services import models_of
+from registry.access import models_of
 
 from . import tracing
 from .generation import GenerateParams, Generation, StopString, start_generation

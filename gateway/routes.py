@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from platform_site.errors import NotFound
+from registry.access import model_for, version_for
 from registry.models import Alias, ModelVersion
-from registry.services import get_version, models_of
 from serving_agent.protocol import OIP_TO_NUMPY
 
 DEFAULT_ALIAS = "production"
@@ -97,13 +98,12 @@ def route_of(version: ModelVersion) -> Route:
 
 def resolve_route(tenant_id: int, model_name: str, version: int | None) -> Route:
     """The version behind ``production`` (or the given version) of a model of this tenant."""
-    if not models_of(tenant_id).filter(name=model_name).exists():
-        raise RouteMissing(f"model {model_name!r} not found")
-    if version is not None:
-        try:
-            return route_of(get_version(tenant_id, model_name, version))
-        except ModelVersion.DoesNotExist:
-            raise RouteMissing(f"model {model_name!r} has no version {version}") from None
+    try:
+        model = model_for(tenant_id, model_name)
+        if version is not None:
+            return route_of(version_for(model, version))
+    except NotFound as exc:
+        raise RouteMissing(str(exc)) from None
     alias = (
         Alias.objects.select_related("version__model")
         .filter(model__tenant_id=tenant_id, model__name=model_name, name=DEFAULT_ALIAS)

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from registry.services import models_of
+from registry.access import model_for
 from rollouts.alerts import open_alerts
 from rollouts.approvals import evidence_of, pending_count
 from rollouts.models import ApprovalRequest, PlanMode, RequestState, RolloutPlan
@@ -51,7 +51,7 @@ def home(request: HttpRequest) -> HttpResponse:
 
 @tenant_view
 def model_detail(request: HttpRequest, name: str) -> HttpResponse:
-    model = get_object_or_404(models_of(_tenant_id(request)), name=name)
+    model = model_for(_tenant_id(request), name)
     versions = model.versions.select_related("parent").order_by("-version")
     aliases = model.aliases.select_related("version").order_by("name")
     production = next((a for a in aliases if a.name == "production"), None)
@@ -76,7 +76,7 @@ def model_detail(request: HttpRequest, name: str) -> HttpResponse:
 def playground(request: HttpRequest, name: str) -> HttpResponse:
     """Type a prompt, watch the tokens stream over the generation websocket (signed in with
     the session), see time to first token and tokens per second."""
-    model = get_object_or_404(models_of(_tenant_id(request)), name=name)
+    model = model_for(_tenant_id(request), name)
     production = model.aliases.select_related("version").filter(name="production").first()
     version = production.version if production else None
     return page(

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from registry.access import models_of
 from registry.models import Model
-from registry.services import models_of
 from rollouts.deployments import deployments_of, replica_counts, tenant_agents
 from rollouts.metrics import plan_arm_metrics, plan_arms, timeseries, versions_summary
 from rollouts.models import ACTIVE_STATES, Deployment, PlanMode, RolloutPlan, ScalingDecision

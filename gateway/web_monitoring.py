@@ -12,13 +12,12 @@ from django.db.models import Sum
 from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 
-from registry.models import Model, ModelVersion
-from registry.services import models_of
+from registry.access import model_for, models_of
+from registry.models import Model, ModelVersion, ReferenceSample
 from rollouts.metrics import N_BUCKETS, ArmStats, plan_arms
-from rollouts.models import ACTIVE_STATES, Alert, DriftReport, ReferenceSample
+from rollouts.models import ACTIVE_STATES, Alert, DriftReport
 from rollouts.slo import bucket_count, burn_series, model_slos
 
 from .models import PredictionLog, TrafficSample
@@ -248,7 +247,7 @@ def drift_snapshot(model: Model, version_number: str | None, feature: str | None
 
 
 def _model(request: HttpRequest, name: str) -> Model:
-    return get_object_or_404(models_of(request.membership.tenant_id), name=name)
+    return model_for(request.membership.tenant_id, name)
 
 
 @tenant_view

@@ -9,10 +9,9 @@ from urllib.parse import urlencode
 
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 
-from registry.services import models_of
+from registry.access import model_for
 
 from .models import PredictionLog
 from .quality import BUCKETS, logged_predictions, online_quality
@@ -30,7 +29,7 @@ def _int_or_none(text: str) -> int | None:
 
 @tenant_view
 def model_predictions(request: HttpRequest, name: str) -> HttpResponse:
-    model = get_object_or_404(models_of(request.membership.tenant_id), name=name)
+    model = model_for(request.membership.tenant_id, name)
     filters = {k: request.GET.get(k, "").strip() for k in ("version", "status", "request_id")}
     rows = logged_predictions(
         model,

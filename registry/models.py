@@ -1,4 +1,5 @@
-"""Models, their immutable versions, and aliases that point at versions."""
+"""Models, their immutable versions, aliases that point at versions, and each version's
+reference sample for drift."""
 
 from __future__ import annotations
 
@@ -221,3 +222,27 @@ class Alias(models.Model):
     def clean(self) -> None:
         if self.version_id and self.model_id and self.version.model_id != self.model_id:
             raise ValidationError({"version": "The version must belong to the alias's model."})
+
+
+class ReferenceSample(models.Model):
+    """The distribution a version's drift is measured against: a sample uploaded with the
+    version, or a chosen past window of its logged predictions (copied here when chosen)."""
+
+    version = models.OneToOneField(ModelVersion, on_delete=models.CASCADE, related_name="reference")
+    source = models.CharField(max_length=10, choices=[("upload", "Upload"), ("window", "Window")])
+    # {feature: [values]} and one score per row, like PredictionLog.inputs / scores.
+    columns = models.JSONField()
+    scores = models.JSONField(default=list, blank=True)
+    rows = models.PositiveIntegerField()
+    window_start = models.DateTimeField(null=True, blank=True)
+    window_end = models.DateTimeField(null=True, blank=True)
+    uploaded_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "rollouts_referencesample"  # created by the rollouts app, moved with its rows
+
+    def __str__(self) -> str:
+        return f"reference of v{self.version_id} ({self.source}, {self.rows} rows)"

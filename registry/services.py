@@ -1,4 +1,5 @@
-"""Registry domain functions: tenant-scoped lookups, version creation and alias moves."""
+"""Registry domain functions: version creation, serving settings and alias moves (lookups are
+in ``registry.access``)."""
 
 from __future__ import annotations
 
@@ -47,21 +48,6 @@ PERSONAL_RULES = ("redact", "hash")
 # architecture; streams speak the generation protocol, not tensors).
 TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
 TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-
-
-def models_of(tenant_id: int) -> QuerySet[Model]:
-    """Every lookup by name goes through here, so another tenant's model is never found."""
-    return Model.objects.filter(tenant_id=tenant_id)
-
-
-def get_model(tenant_id: int, name: str) -> Model:
-    return models_of(tenant_id).get(name=name)
-
-
-def get_version(tenant_id: int, model_name: str, version: int) -> ModelVersion:
-    return ModelVersion.objects.select_related("model").get(
-        model__tenant_id=tenant_id, model__name=model_name, version=version
-    )
 
 
 def create_version(

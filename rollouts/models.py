@@ -319,29 +319,6 @@ class ScalingDecision(models.Model):
         return f"{self.deployment}: {self.current} → {self.desired} ({self.reason})"
 
 
-class ReferenceSample(models.Model):
-    """The distribution a version's drift is measured against: a sample uploaded with the
-    version, or a chosen past window of its logged predictions (copied here when chosen)."""
-
-    version = models.OneToOneField(
-        "registry.ModelVersion", on_delete=models.CASCADE, related_name="reference"
-    )
-    source = models.CharField(max_length=10, choices=[("upload", "Upload"), ("window", "Window")])
-    # {feature: [values]} and one score per row, like PredictionLog.inputs / scores.
-    columns = models.JSONField()
-    scores = models.JSONField(default=list, blank=True)
-    rows = models.PositiveIntegerField()
-    window_start = models.DateTimeField(null=True, blank=True)
-    window_end = models.DateTimeField(null=True, blank=True)
-    uploaded_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
-    )
-    created_at = models.DateTimeField(auto_now=True)
-
-    def __str__(self) -> str:
-        return f"reference of v{self.version_id} ({self.source}, {self.rows} rows)"
-
-
 class DriftReport(models.Model):
     """One run of the drift job on one version: each feature's and the scores' distance from
     the reference, and data-quality counts, over one window of logged predictions."""

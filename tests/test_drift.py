@@ -20,11 +20,12 @@ from scipy.stats import ks_2samp
 
 from gateway.models import PredictionLog, TrafficSample
 from gateway.traffic import Counts
-from registry.models import ModelVersion
+from registry.models import ModelVersion, ReferenceSample
+from registry.reference import MIN_ROWS, expected_features, set_reference_upload
 from rollouts import actions, drift
 from rollouts.approvals import evidence_now, request_promotion
 from rollouts.guardrails import evaluate
-from rollouts.models import Alert, DriftReport, PlanState, ReferenceSample
+from rollouts.models import Alert, DriftReport, PlanState
 from rollouts.tasks import detect_drift as detect_drift_task
 from tenants.audit import Actor
 from tenants.models import AuditEvent
@@ -85,7 +86,7 @@ def version(world, onnx_bytes):
 @pytest.fixture
 def referenced(version, rng):
     """``version`` with an uploaded reference of 2000 rows."""
-    drift.set_reference_upload(version, ACTOR, **sample(rng, 2000))
+    set_reference_upload(version, ACTOR, **sample(rng, 2000))
     return version
 
 
@@ -160,7 +161,7 @@ def test_scores_that_drift_are_flagged_as_score(referenced, rng):
 
 def test_categorical_features_use_psi_over_categories_and_jensen_shannon(version, rng):
     reference = {"plan": rng.choice(PLANS, 400, p=(0.5, 0.3, 0.2)).tolist()}
-    drift.set_reference_upload(version, ACTOR, columns=reference)
+    set_reference_upload(version, ACTOR, columns=reference)
     current = ["free"] * 40 + ["pro"] * 30 + ["enterprise"] * 30  # a plan never seen before
     log(version, {"plan": current}, [])
     entry = drift.detect_drift(version).features["plan"]
@@ -190,14 +191,14 @@ def test_rare_categories_share_other_and_new_ones_share_unseen():
 
 
 def test_a_feature_with_too_few_values_in_the_window_is_not_judged(version):
-    drift.set_reference_upload(version, ACTOR, columns={"age": [float(v) for v in range(40)]})
+    set_reference_upload(version, ACTOR, columns={"age": [float(v) for v in range(40)]})
     log(version, {"age": [None] * 35 + [1.0] * 5}, [])
     entry = drift.detect_drift(version).features["age"]
     assert entry == {"kind": "numeric", "values": 5, "psi": None, "flagged": False}
 
 
 def test_quality_counts_nulls_out_of_range_and_schema_violations(version):
-    drift.set_reference_upload(
+    set_reference_upload(
         version,
         ACTOR,
         columns={"age": [float(v) for v in range(20, 60)], "plan": ["free", "pro"] * 20},
@@ -224,8 +225,8 @@ def test_no_report_without_a_reference_or_with_too_few_rows(version, rng):
     log_rows(version, sample(rng, 200))
     assert drift.detect_drift(version) is None  # no reference
     other = make_version(version.model, small_onnx(seed=4), alias=None, feature_names=FEATURES)
-    drift.set_reference_upload(other, ACTOR, **sample(rng, 500))
-    log_rows(other, sample(rng, drift.MIN_ROWS - 1), per_request=drift.MIN_ROWS)
+    set_reference_upload(other, ACTOR, **sample(rng, 500))
+    log_rows(other, sample(rng, MIN_ROWS - 1), per_request=MIN_ROWS)
     # Failed requests and rows older than the window do not count.
     log(other, sample(rng, 50)["columns"], [], status=500)
     old = timezone.now() - timedelta(minutes=other.model.drift_window_minutes + 5)
@@ -253,7 +254,7 @@ def test_drift_raises_an_alert_and_resolves_it_when_the_window_is_steady(referen
 def test_detect_all_reports_every_version_with_a_reference_and_traffic(referenced, rng, world):
     log_rows(referenced, sample(rng, 300, age_mean=60))
     quiet = make_version(referenced.model, small_onnx(seed=5), alias=None, feature_names=FEATURES)
-    drift.set_reference_upload(quiet, ACTOR, **sample(rng, 300))  # a reference, no traffic
+    set_reference_upload(quiet, ACTOR, **sample(rng, 300))  # a reference, no traffic
     unreferenced = make_version(make_model(world.b, "other"), small_onnx(seed=6))
     log(unreferenced, {"x[0]": [1.0] * 50}, [])
     counts = detect_drift_task()
@@ -290,15 +291,15 @@ def test_a_window_with_too_few_rows_or_backwards_is_refused(version, rng):
 def test_an_upload_with_personal_or_unknown_features_is_refused(version, rng):
     version.personal_fields = {"income": "hash"}
     with pytest.raises(ValidationError, match="personal"):
-        drift.set_reference_upload(version, ACTOR, **sample(rng, 50))
+        set_reference_upload(version, ACTOR, **sample(rng, 50))
     with pytest.raises(ValidationError, match="unknown features"):
-        drift.set_reference_upload(version, ACTOR, columns={"agee": [1.0] * 50})
+        set_reference_upload(version, ACTOR, columns={"agee": [1.0] * 50})
 
 
 def test_expected_features_follow_the_prediction_log(world, onnx_bytes):
     model = make_model(world.a, "plain")
     plain = make_version(model, onnx_bytes)
-    assert drift.expected_features(plain) == ["x[0]", "x[1]", "x[2]", "x[3]"]
+    assert expected_features(plain) == ["x[0]", "x[1]", "x[2]", "x[3]"]
 
 
 # Guardrails and approvals ----------------------------------------------------------------------
@@ -309,7 +310,7 @@ def plan(world, onnx_bytes, rng):
     model = make_model(world.a, "clf")
     make_version(model, onnx_bytes, feature_names=FEATURES)
     candidate = make_version(model, small_onnx(seed=2), alias=None, feature_names=FEATURES)
-    drift.set_reference_upload(candidate, ACTOR, **sample(rng, 1000))
+    set_reference_upload(candidate, ACTOR, **sample(rng, 1000))
     return actions.start_plan(
         model, "canary", candidate, RAILS, ACTOR, weight=5, steps=[5, 50, 100], bake_seconds=60
     )

@@ -15,9 +15,9 @@ from django.utils import timezone
 
 from gateway.models import PredictionLog, TrafficSample
 from gateway.traffic import Counts
+from registry.models import ReferenceSample
 from rollouts import actions, drift
 from rollouts.alerts import raise_alert, resolve_alert
-from rollouts.models import ReferenceSample
 from tenants.audit import Actor
 from tests.factories import make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx

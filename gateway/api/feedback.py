@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
@@ -14,8 +13,8 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from registry.access import model_for
 from registry.models import Model
-from registry.services import models_of
 from tenants.authentication import TenantRolePermission
 
 from .. import quality
@@ -25,7 +24,7 @@ DEFAULT_SINCE = {"hour": timedelta(hours=24), "day": timedelta(days=30)}
 
 
 def _model(request, name: str) -> Model:
-    return get_object_or_404(models_of(request.caller.tenant_id), name=name)
+    return model_for(request.caller.tenant_id, name)
 
 
 def _is_number(value: object) -> bool:

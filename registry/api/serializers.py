@@ -1,4 +1,4 @@
-"""DRF serializers for models, versions and aliases."""
+"""DRF serializers for models, versions, aliases and reference samples."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from rollouts.api.drift import ReferenceUploadSerializer
-from rollouts.drift import normalize_reference, rows_from_csv
-
 from ..models import Alias, ArtifactFormat, Device, Model, ModelVersion
+from ..reference import normalize_reference, rows_from_csv
 from ..services import MONITORING_FIELDS
 
 
@@ -60,6 +58,31 @@ class VersionSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = fields
+
+
+class ReferenceUploadSerializer(serializers.Serializer):
+    """A reference sample as rows or as columns, with an optional score per row."""
+
+    rows = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        help_text='[{"age": 41, "plan": "pro"}, ...]',
+    )
+    columns = serializers.DictField(
+        child=serializers.ListField(),
+        required=False,
+        help_text='{"age": [41, 35, ...], "plan": ["pro", "free", ...]}',
+    )
+    scores = serializers.ListField(
+        child=serializers.FloatField(allow_null=True),
+        required=False,
+        help_text="the model's score per row (positive-class probability or regressor value)",
+    )
+
+    def validate(self, data: dict) -> dict:
+        if ("rows" in data) == ("columns" in data):
+            raise serializers.ValidationError("send exactly one of 'rows' or 'columns'")
+        return data
 
 
 @extend_schema_field({"type": "string", "format": "binary"})

@@ -7,5 +7,4 @@ urlpatterns = [
     path("models/<str:name>", views.ModelDetailView.as_view()),
     path("models/<str:name>/versions", views.VersionListView.as_view()),
     path("models/<str:name>/versions/<int:version>", views.VersionDetailView.as_view()),
-    path("models/<str:name>/aliases/<str:alias>", views.AliasView.as_view()),
 ]

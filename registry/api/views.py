@@ -6,26 +6,20 @@ from contextlib import nullcontext
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError, transaction
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from rollouts.api.serializers import ApprovalSerializer
-from rollouts.api.views import approval_response
-from rollouts.approvals import move_alias
-from rollouts.drift import set_reference_upload
-from rollouts.models import ApprovalRequest
 from tenants.audit import audit
 from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import services
-from ..models import Model, ModelVersion
+from ..access import model_for, models_of, version_for
+from ..reference import set_reference_upload
 from .serializers import (
-    AliasSerializer,
     ModelSerializer,
     ModelUpdateSerializer,
     VersionSerializer,
@@ -34,23 +28,12 @@ from .serializers import (
 )
 
 
-def _model(request, name: str) -> Model:
-    return get_object_or_404(services.models_of(request.caller.tenant_id), name=name)
-
-
-def _version(model: Model, version: int) -> ModelVersion:
-    found = model.versions.filter(version=version).first()
-    if found is None:
-        raise NotFound(f"model {model.name!r} has no version {version}")
-    return found
-
-
 class ModelListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=ModelSerializer(many=True))
     def get(self, request):
-        models = services.models_of(request.caller.tenant_id)
+        models = models_of(request.caller.tenant_id)
         return Response(ModelSerializer(models, many=True).data)
 
     @extend_schema(request=ModelSerializer, responses={201: ModelSerializer})
@@ -72,12 +55,12 @@ class ModelDetailView(APIView):
 
     @extend_schema(responses=ModelSerializer)
     def get(self, request, name: str):
-        return Response(ModelSerializer(_model(request, name)).data)
+        return Response(ModelSerializer(model_for(request.caller.tenant_id, name)).data)
 
     @extend_schema(request=ModelUpdateSerializer, responses=ModelSerializer)
     def patch(self, request, name: str):
         """Change the description or the monitoring settings (sampling, retention, drift, SLOs)."""
-        model = _model(request, name)
+        model = model_for(request.caller.tenant_id, name)
         if not isinstance(request.data, dict):
             raise ValidationError({"body": "must be a JSON object"})
         fixed = sorted(set(request.data) - set(services.MONITORING_FIELDS))
@@ -107,18 +90,20 @@ class VersionListView(APIView):
 
     @extend_schema(responses=VersionSerializer(many=True))
     def get(self, request, name: str):
-        versions = _model(request, name).versions.select_related("model", "parent")
+        versions = model_for(request.caller.tenant_id, name).versions.select_related(
+            "model", "parent"
+        )
         return Response(VersionSerializer(versions, many=True).data)
 
     @extend_schema(request=VersionUploadSerializer, responses={201: VersionSerializer})
     def post(self, request, name: str):
-        model = _model(request, name)
+        model = model_for(request.caller.tenant_id, name)
         upload = VersionUploadSerializer(data=request.data)
         upload.is_valid(raise_exception=True)
         data = dict(upload.validated_data)
         artifact = data.pop("artifact").read()
         if "parent" in data:
-            data["parent"] = _version(model, data["parent"])
+            data["parent"] = version_for(model, data["parent"])
         reference = data.pop("reference", None)
         # A reference that does not fit the version undoes it; without one, no transaction
         # holds the database's write lock while the artifact is checked (seconds for textgen).
@@ -140,11 +125,13 @@ class VersionDetailView(APIView):
 
     @extend_schema(responses=VersionSerializer)
     def get(self, request, name: str, version: int):
-        return Response(VersionSerializer(_version(_model(request, name), version)).data)
+        return Response(
+            VersionSerializer(version_for(model_for(request.caller.tenant_id, name), version)).data
+        )
 
     @extend_schema(request=VersionUpdateSerializer, responses=VersionSerializer)
     def patch(self, request, name: str, version: int):
-        found = _version(_model(request, name), version)
+        found = version_for(model_for(request.caller.tenant_id, name), version)
         if not isinstance(request.data, dict):
             raise ValidationError({"body": "must be a JSON object"})
         immutable = sorted(set(request.data) - set(services.SERVING_FIELDS))
@@ -161,33 +148,7 @@ class VersionDetailView(APIView):
         request=None, responses={400: None}, description="Always 400: versions are immutable."
     )
     def put(self, request, name: str, version: int):
-        _version(_model(request, name), version)
+        version_for(model_for(request.caller.tenant_id, name), version)
         raise ValidationError(
             {"version": "model versions are immutable; upload a new version instead"}
         )
-
-
-class AliasView(APIView):
-    permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
-
-    @extend_schema(responses=AliasSerializer)
-    def get(self, request, name: str, alias: str):
-        found = _model(request, name).aliases.select_related("version").filter(name=alias)
-        if not found:
-            raise NotFound(f"model {name!r} has no alias {alias!r}")
-        return Response(AliasSerializer(found[0]).data)
-
-    @extend_schema(
-        request=AliasSerializer, responses={200: AliasSerializer, 202: ApprovalSerializer}
-    )
-    def put(self, request, name: str, alias: str):
-        """Move an alias. Moving ``production`` once it exists is a promotion request (202)."""
-        model = _model(request, name)
-        body = AliasSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        target = _version(model, body.validated_data["version"])
-        moved = move_alias(model, alias, target, actor_of(request), body.validated_data["comment"])
-        if isinstance(moved, ApprovalRequest):
-            return approval_response(moved)
-        return Response(AliasSerializer(moved).data)

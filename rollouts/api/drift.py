@@ -5,7 +5,6 @@ its logged predictions) and the model's drift reports. Serializers and thin view
 
 from __future__ import annotations
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
@@ -13,39 +12,16 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from registry.models import Model, ModelVersion
-from registry.services import models_of
+from registry.access import model_for, version_for
+from registry.api.serializers import ReferenceUploadSerializer
+from registry.models import ReferenceSample
+from registry.reference import set_reference_upload
 from tenants.authentication import TenantRolePermission, actor_of
 
-from ..drift import reference_summary, set_reference_upload, set_reference_window
-from ..models import DriftReport, ReferenceSample
+from ..drift import reference_summary, set_reference_window
+from ..models import DriftReport
 
 # Serializers ---------------------------------------------------------------------------------
-
-
-class ReferenceUploadSerializer(serializers.Serializer):
-    """A reference sample as rows or as columns, with an optional score per row."""
-
-    rows = serializers.ListField(
-        child=serializers.DictField(),
-        required=False,
-        help_text='[{"age": 41, "plan": "pro"}, ...]',
-    )
-    columns = serializers.DictField(
-        child=serializers.ListField(),
-        required=False,
-        help_text='{"age": [41, 35, ...], "plan": ["pro", "free", ...]}',
-    )
-    scores = serializers.ListField(
-        child=serializers.FloatField(allow_null=True),
-        required=False,
-        help_text="the model's score per row (positive-class probability or regressor value)",
-    )
-
-    def validate(self, data: dict) -> dict:
-        if ("rows" in data) == ("columns" in data):
-            raise serializers.ValidationError("send exactly one of 'rows' or 'columns'")
-        return data
 
 
 class ReferenceWindowSerializer(serializers.Serializer):
@@ -128,17 +104,6 @@ class DriftFilter(serializers.Serializer):
 # Views ---------------------------------------------------------------------------------------
 
 
-def _model(request, name: str) -> Model:
-    return get_object_or_404(models_of(request.caller.tenant_id), name=name)
-
-
-def _version(model: Model, number: int) -> ModelVersion:
-    found = model.versions.select_related("model").filter(version=number).first()
-    if found is None:
-        raise NotFound(f"model {model.name!r} has no version {number}")
-    return found
-
-
 def _valid(serializer_class, data) -> dict:
     body = serializer_class(data=data)
     body.is_valid(raise_exception=True)
@@ -152,12 +117,9 @@ class ReferenceView(APIView):
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
 
-    def _version(self, request, name: str, version: int) -> ModelVersion:
-        return _version(_model(request, name), version)
-
     @extend_schema(summary="The version's drift reference", responses=ReferenceSerializer)
     def get(self, request, name: str, version: int):
-        found = self._version(request, name, version)
+        found = version_for(model_for(request.caller.tenant_id, name), version)
         sample = ReferenceSample.objects.filter(version=found).first()
         if sample is None:
             raise NotFound(f"{name} v{version} has no drift reference yet")
@@ -169,7 +131,7 @@ class ReferenceView(APIView):
         responses=ReferenceSerializer,
     )
     def put(self, request, name: str, version: int):
-        found = self._version(request, name, version)
+        found = version_for(model_for(request.caller.tenant_id, name), version)
         body = _valid(ReferenceUploadSerializer, request.data)
         sample = set_reference_upload(found, actor_of(request), **body)
         return Response(ReferenceSerializer(sample).data)
@@ -180,7 +142,7 @@ class ReferenceView(APIView):
         responses=ReferenceSerializer,
     )
     def post(self, request, name: str, version: int):
-        found = self._version(request, name, version)
+        found = version_for(model_for(request.caller.tenant_id, name), version)
         body = _valid(ReferenceWindowSerializer, request.data)
         sample = set_reference_window(
             found, body["window_start"], body["window_end"], actor_of(request)
@@ -195,10 +157,10 @@ class DriftReportListView(APIView):
 
     @extend_schema(parameters=[DriftFilter], responses=DriftReportSerializer(many=True))
     def get(self, request, name: str):
-        model = _model(request, name)
+        model = model_for(request.caller.tenant_id, name)
         where = _valid(DriftFilter, request.query_params)
         reports = DriftReport.objects.filter(model=model).select_related("version")
         if "version" in where:
-            reports = reports.filter(version=_version(model, where["version"]))
+            reports = reports.filter(version=version_for(model, where["version"]))
         found = reports.order_by("-created_at")[: where["limit"]]
         return Response(DriftReportSerializer(found, many=True).data)

@@ -5,6 +5,7 @@ from . import alerts, drift, fleet, views
 urlpatterns = [
     path("models/<str:name>/rollouts", views.PlanListView.as_view()),
     path("models/<str:name>/promotions", views.PromotionListView.as_view()),
+    path("models/<str:name>/aliases/<str:alias>", views.AliasView.as_view()),
     path("rollouts/<int:plan_id>", views.PlanDetailView.as_view()),
     path("rollouts/<int:plan_id>/weight", views.PlanWeightView.as_view()),
     path("rollouts/<int:plan_id>/kill", views.PlanKillView.as_view()),

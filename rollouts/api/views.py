@@ -10,10 +10,12 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from registry.services import models_of
+from registry.access import model_for, version_for
+from registry.api.serializers import AliasSerializer
 from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import actions, approvals
+from ..approvals import move_alias
 from ..metrics import metrics_diff, plan_arm_metrics
 from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
@@ -55,24 +57,20 @@ class PlanListView(APIView):
 
     @extend_schema(responses=PlanSerializer(many=True))
     def get(self, request, name: str):
-        model = get_object_or_404(models_of(request.caller.tenant_id), name=name)
+        model = model_for(request.caller.tenant_id, name)
         return Response(PlanSerializer(model.plans.all(), many=True).data)
 
     @extend_schema(request=PlanCreateSerializer, responses={201: PlanSerializer})
     def post(self, request, name: str):
-        model = get_object_or_404(models_of(request.caller.tenant_id), name=name)
+        model = model_for(request.caller.tenant_id, name)
         body = PlanCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = dict(body.validated_data)
 
-        def version(number: int):
-            found = model.versions.filter(version=number).first()
-            if found is None:
-                raise NotFound(f"model {name!r} has no version {number}")
-            return found
-
-        candidate = version(data.pop("candidate"))
-        arms = [(a["name"], version(a["version"]), a["weight"]) for a in data.pop("arms", [])]
+        candidate = version_for(model, data.pop("candidate"))
+        arms = [
+            (a["name"], version_for(model, a["version"]), a["weight"]) for a in data.pop("arms", [])
+        ]
         plan = actions.start_plan(
             model,
             data.pop("mode"),
@@ -185,11 +183,9 @@ class PromotionListView(APIView):
 
     @extend_schema(request=PromotionSerializer, responses={202: ApprovalSerializer})
     def post(self, request, name: str):
-        model = get_object_or_404(models_of(request.caller.tenant_id), name=name)
+        model = model_for(request.caller.tenant_id, name)
         body = _valid(PromotionSerializer, request.data)
-        version = model.versions.filter(version=body["version"]).first()
-        if version is None:
-            raise NotFound(f"model {name!r} has no version {body['version']}")
+        version = version_for(model, body["version"])
         req = approvals.request_promotion(
             model, version, actor_of(request), alias=body["alias"], comment=body["comment"]
         )
@@ -245,3 +241,33 @@ class ApproveView(ApprovalDecisionView):
 
 class RejectView(ApprovalDecisionView):
     decide = staticmethod(approvals.reject)
+
+
+class AliasView(APIView):
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=AliasSerializer)
+    def get(self, request, name: str, alias: str):
+        found = (
+            model_for(request.caller.tenant_id, name)
+            .aliases.select_related("version")
+            .filter(name=alias)
+        )
+        if not found:
+            raise NotFound(f"model {name!r} has no alias {alias!r}")
+        return Response(AliasSerializer(found[0]).data)
+
+    @extend_schema(
+        request=AliasSerializer, responses={200: AliasSerializer, 202: ApprovalSerializer}
+    )
+    def put(self, request, name: str, alias: str):
+        """Move an alias. Moving ``production`` once it exists is a promotion request (202)."""
+        model = model_for(request.caller.tenant_id, name)
+        body = AliasSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        target = version_for(model, body.validated_data["version"])
+        moved = move_alias(model, alias, target, actor_of(request), body.validated_data["comment"])
+        if isinstance(moved, ApprovalRequest):
+            return approval_response(moved)
+        return Response(AliasSerializer(moved).data)

@@ -262,7 +262,7 @@ from gateway.models import PredictionLog, TrafficSample
 from gateway.traffic import Counts
 from registry.models import ModelVersion
 from rollouts import drift
-from rollouts.models import ReferenceSample
+from registry.models import ReferenceSample
 from rollouts.slo import evaluate_slos
 
 rng = np.random.default_rng(7)

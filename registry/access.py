@@ -1,0 +1,30 @@
+"""Tenant-scoped lookups of models and versions. Every lookup by a name or number that a caller
+sent goes through here, so another tenant's model is never found: it is the same 404 as a model
+that does not exist."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+from platform_site.errors import NotFound
+
+from .models import Model, ModelVersion
+
+
+def models_of(tenant_id: int) -> QuerySet[Model]:
+    return Model.objects.filter(tenant_id=tenant_id)
+
+
+def model_for(tenant_id: int, name: str) -> Model:
+    found = models_of(tenant_id).filter(name=name).first()
+    if found is None:
+        raise NotFound(f"model {name!r} not found")
+    return found
+
+
+def version_for(model: Model, number: int) -> ModelVersion:
+    """One version of a model that was itself looked up through its tenant."""
+    found = model.versions.select_related("model").filter(version=number).first()
+    if found is None:
+        raise NotFound(f"model {model.name!r} has no version {number}")
+    return found
