@@ -20,6 +20,7 @@ from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
+from monitoring.traffic import TrafficCounter, save_samples
 from rollouts import fleet
 from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
@@ -33,7 +34,6 @@ from .metrics import Observed, RequestMetrics
 from .predlog import PredictionLogger
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
 from .stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
-from .traffic import TrafficCounter, save_samples
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from monitoring.alerts import open_alerts
 from registry.access import model_for
-from rollouts.alerts import open_alerts
 from rollouts.approvals import evidence_of, pending_count
 from rollouts.models import ApprovalRequest, PlanMode, RequestState, RolloutPlan
 from tenants.audit import audit_events

@@ -7,10 +7,11 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from monitoring.traffic import timeseries, versions_summary
 from registry.access import models_of
 from registry.models import Model
+from rollouts.arms import plan_arm_metrics, plan_arms
 from rollouts.deployments import deployments_of, replica_counts, tenant_agents
-from rollouts.metrics import plan_arm_metrics, plan_arms, timeseries, versions_summary
 from rollouts.models import ACTIVE_STATES, Deployment, PlanMode, RolloutPlan, ScalingDecision
 from rollouts.shadow import shadow_summary
 

@@ -14,13 +14,14 @@ from django.db.models.functions import TruncMinute
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 
+from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
+from monitoring.slo import bucket_count, burn_series, model_slos
+from monitoring.traffic import N_BUCKETS, ArmStats
 from registry.access import model_for, models_of
 from registry.models import Model, ModelVersion, ReferenceSample
-from rollouts.metrics import N_BUCKETS, ArmStats, plan_arms
-from rollouts.models import ACTIVE_STATES, Alert, DriftReport
-from rollouts.slo import bucket_count, burn_series, model_slos
+from rollouts.arms import plan_arms
+from rollouts.models import ACTIVE_STATES
 
-from .models import PredictionLog, TrafficSample
 from .web import page
 from .web_tenancy import can_write, tenant_view
 
@@ -68,7 +69,7 @@ def psi_series(version: ModelVersion, names: list[str], since) -> dict:
 
 def bin_labels(entry: dict) -> list[str]:
     """Readable bins of a report's histogram: categories as they are; numeric bins from the
-    reference's edges, the outer two open-ended (as ``rollouts.drift.bin_shares`` fills them)."""
+    reference's edges, the outer two open-ended (as ``monitoring.drift.bin_shares`` fills them)."""
     if entry.get("categories") is not None:
         return list(entry["categories"])
     edges = entry.get("edges") or []

@@ -11,10 +11,10 @@ from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
+from monitoring.models import PredictionLog
+from monitoring.quality import BUCKETS, logged_predictions, online_quality
 from registry.access import model_for
 
-from .models import PredictionLog
-from .quality import BUCKETS, logged_predictions, online_quality
 from .web import page
 from .web_tenancy import tenant_view
 

@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "tenants",
     "registry",
+    "monitoring",
     "rollouts",
     "gateway",
 ]
@@ -149,19 +150,19 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(env("SWITCHYARD_AUTOSCALE_INTERVAL_S", "5")),
     },
     "detect-drift": {
-        "task": "rollouts.tasks.detect_drift",
+        "task": "monitoring.tasks.detect_drift",
         "schedule": float(env("SWITCHYARD_DRIFT_INTERVAL_S", "60")),
     },
     "evaluate-slos": {
-        "task": "rollouts.tasks.evaluate_slos",
+        "task": "monitoring.tasks.evaluate_slos",
         "schedule": float(env("SWITCHYARD_SLO_INTERVAL_S", "60")),
     },
     "purge-drift-reports": {
-        "task": "rollouts.tasks.purge_drift_reports",
+        "task": "monitoring.tasks.purge_drift_reports",
         "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
     },
     "purge-prediction-logs": {
-        "task": "gateway.tasks.purge_prediction_logs",
+        "task": "monitoring.tasks.purge_prediction_logs",
         "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
     },
 }

@@ -24,6 +24,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("gateway.api.urls")),
     path("api/v1/", include("registry.api.urls")),
+    path("api/v1/", include("monitoring.api.urls")),
     path("api/v1/", include("rollouts.api.urls")),
     path("api/v1/", include("tenants.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

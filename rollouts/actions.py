@@ -9,15 +9,15 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from monitoring.alerts import raise_alert
+from monitoring.models import AlertKind
 from platform_site.errors import Conflict
 from registry.models import Model, ModelVersion
 from registry.services import set_alias
 from tenants.audit import Actor, audit
 
-from .alerts import raise_alert
 from .models import (
     OPEN_REQUEST_STATES,
-    AlertKind,
     ApprovalRequest,
     PlanArm,
     PlanMode,

@@ -20,15 +20,17 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from gateway.quality import quality_by_version
+from monitoring import drift
+from monitoring.quality import quality_by_version
+from monitoring.traffic import arm_stats
 from platform_site.errors import Conflict, Forbidden
 from registry.models import Alias, Model, ModelVersion
 from registry.services import set_alias
 from tenants.audit import Actor, audit
 from tenants.models import Role
 
-from . import actions, drift
-from .metrics import arm_stats, metrics_diff, plan_arm_metrics
+from . import actions
+from .arms import metrics_diff, plan_arm_metrics
 from .models import (
     ACTIVE_STATES,
     ApprovalRequest,

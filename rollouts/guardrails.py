@@ -5,9 +5,9 @@ The comparison stays honest at low traffic: nothing moves until both arms have `
 requests ("waiting for data"), and the error check is a one-sided two-proportion z-test of
 "candidate error rate exceeds baseline's by more than the allowed increase", so noise on a few
 requests neither rolls back a good candidate nor promotes a bad one. The candidate's latest drift
-report since the plan started (``rollouts.drift``) is a breach too when its worst PSI is past
+report since the plan started (``monitoring.drift``) is a breach too when its worst PSI is past
 the plan's ``max_drift_psi`` (absent: the model's ``drift_threshold``; null: not checked).
-With ``max_quality_drop`` set, online quality from ground-truth feedback (``gateway.quality``)
+With ``max_quality_drop`` set, online quality from ground-truth feedback (``monitoring.quality``)
 is compared too, once both arms have ``min_samples`` labelled rows: a classifier's accuracy may
 fall at most that much below the baseline's (absolute), a regressor's MAE rise at most that
 share above it.
@@ -21,14 +21,14 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from gateway.quality import quality_by_version
-from gateway.traffic import LATENCY_BOUNDS_MS
+from monitoring.drift import describe, latest_report
+from monitoring.models import DriftReport
+from monitoring.quality import quality_by_version
+from monitoring.traffic import LATENCY_BOUNDS_MS, ArmStats, arm_stats
 
 from . import actions
 from .approvals import GUARDRAILS, promote_when_approved
-from .drift import describe, latest_report
-from .metrics import ArmStats, arm_stats
-from .models import DriftReport, PlanMode, PlanState, RolloutPlan
+from .models import PlanMode, PlanState, RolloutPlan
 
 Z_CRITICAL = 2.326  # one-sided, 1 % false-alarm rate
 

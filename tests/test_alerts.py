@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from rest_framework.test import APIClient
 
-from rollouts import tasks
-from rollouts.alerts import open_alerts, raise_alert, resolve_alert
-from rollouts.models import Alert
+from monitoring import tasks
+from monitoring.alerts import open_alerts, raise_alert, resolve_alert
+from monitoring.models import Alert
 from tenants.models import AuditEvent
 from tests.factories import make_member, make_model
 

@@ -9,8 +9,8 @@ import pytest
 from django.db import connection, connections
 from rest_framework.test import APIClient
 
-from gateway.models import TrafficSample
-from gateway.traffic import Counts
+from monitoring.models import TrafficSample
+from monitoring.traffic import Counts
 from rollouts import actions
 from rollouts.approvals import promote_when_approved
 from rollouts.models import ApprovalRequest, RolloutPlan

@@ -18,15 +18,16 @@ from rest_framework.test import APIClient
 from scipy.spatial.distance import jensenshannon
 from scipy.stats import ks_2samp
 
-from gateway.models import PredictionLog, TrafficSample
-from gateway.traffic import Counts
+from monitoring import drift
+from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
+from monitoring.tasks import detect_drift as detect_drift_task
+from monitoring.traffic import Counts
 from registry.models import ModelVersion, ReferenceSample
 from registry.reference import MIN_ROWS, expected_features, set_reference_upload
-from rollouts import actions, drift
+from rollouts import actions
 from rollouts.approvals import evidence_now, request_promotion
 from rollouts.guardrails import evaluate
-from rollouts.models import Alert, DriftReport, PlanState
-from rollouts.tasks import detect_drift as detect_drift_task
+from rollouts.models import PlanState
 from tenants.audit import Actor
 from tenants.models import AuditEvent
 from tests.factories import make_model, make_version
@@ -554,7 +555,7 @@ def test_a_version_with_a_bad_reference_is_refused_whole(world, onnx_bytes, refe
 
 
 def test_drift_reports_past_their_history_are_purged(referenced, rng, settings):
-    from rollouts.drift import purge_reports
+    from monitoring.drift import purge_reports
 
     log_rows(referenced, sample(rng, 300))
     report = drift.detect_drift(referenced)

@@ -10,8 +10,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gateway.models import Feedback, PredictionLog
-from gateway.quality import auc, online_quality, quality_by_version
+from monitoring.models import Feedback, PredictionLog
+from monitoring.quality import auc, online_quality, quality_by_version
 from registry.models import TaskKind
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx

@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from gateway.models import TrafficSample
-from gateway.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
+from monitoring.models import TrafficSample
+from monitoring.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
 from rollouts.actions import Actor, start_plan
 from rollouts.approvals import approve
 from rollouts.guardrails import ArmStats, evaluate, judge
@@ -189,7 +189,7 @@ def test_online_quality_worse_than_allowed_rolls_back(base, cand, action):
 
 def log_labelled(plan, version_id: int, n: int, correct: int) -> None:
     """``n`` logged one-row predictions of a version, ``correct`` of them labelled right."""
-    from gateway.models import Feedback, PredictionLog
+    from monitoring.models import Feedback, PredictionLog
 
     now = timezone.now()
     tenant_id = plan.model.tenant_id

@@ -1,5 +1,5 @@
 """The drift, SLO and alerts pages: a member sees the tenant's models (drift from real reports
-of ``rollouts.drift``, traffic per version and arm, SLIs with budgets and burn), the JSON the
+of ``monitoring.drift``, traffic per version and arm, SLIs with budgets and burn), the JSON the
 pages poll has the shape their scripts read, empty states say what to do, and another tenant's
 model is a 404 while its alerts and SLOs never show."""
 
@@ -13,11 +13,12 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from gateway.models import PredictionLog, TrafficSample
-from gateway.traffic import Counts
+from monitoring import drift
+from monitoring.alerts import raise_alert, resolve_alert
+from monitoring.models import PredictionLog, TrafficSample
+from monitoring.traffic import Counts
 from registry.models import ReferenceSample
-from rollouts import actions, drift
-from rollouts.alerts import raise_alert, resolve_alert
+from rollouts import actions
 from tenants.audit import Actor
 from tests.factories import make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx

@@ -18,10 +18,11 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from gateway import predlog, tracing
-from gateway.models import Feedback, PredictionLog
-from gateway.predlog import REDACTED, PredictionLogger, build_record, purge_expired_logs
+from gateway.predlog import REDACTED, PredictionLogger, build_record
 from gateway.routes import InputSpec, Route, route_of
-from gateway.tasks import purge_prediction_logs
+from monitoring.models import Feedback, PredictionLog
+from monitoring.prediction_log import purge_expired_logs
+from monitoring.tasks import purge_prediction_logs
 from registry.models import TaskKind
 from tests.factories import make_model, make_version
 
@@ -548,7 +549,7 @@ def make_log(route: Route, request_id: str, age: timedelta, **fields) -> Predict
 def test_retention_purges_each_models_logs_by_its_own_days_and_old_feedback(
     world, onnx_bytes, monkeypatch
 ):
-    monkeypatch.setattr("gateway.predlog.PURGE_CHUNK", 2)  # several chunks per model
+    monkeypatch.setattr("monitoring.prediction_log.PURGE_CHUNK", 2)  # several chunks per model
     short = make_model(world.a, "short")
     short.log_retention_days = 1
     short.save()

@@ -10,10 +10,9 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from gateway.models import TrafficSample
-from gateway.traffic import Counts
-from rollouts import slo, tasks
-from rollouts.models import Alert
+from monitoring import slo, tasks
+from monitoring.models import Alert, TrafficSample
+from monitoring.traffic import Counts
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import alerts, drift, fleet, views
+from . import fleet, views
 
 urlpatterns = [
     path("models/<str:name>/rollouts", views.PlanListView.as_view()),
@@ -22,13 +22,4 @@ urlpatterns = [
     path("deployments/<int:deployment_id>/decisions", fleet.DecisionListView.as_view()),
     path("pools", fleet.PoolListView.as_view()),
     path("agents", fleet.AgentListView.as_view()),
-    path("alerts", alerts.AlertListView.as_view()),
-    path("alerts/<int:alert_id>", alerts.AlertDetailView.as_view()),
-    path("alerts/<int:alert_id>/resolve", alerts.AlertResolveView.as_view()),
-    path("alert-settings", alerts.AlertSettingsView.as_view()),
-]
-
-urlpatterns += [
-    path("models/<str:name>/versions/<int:version>/reference", drift.ReferenceView.as_view()),
-    path("models/<str:name>/drift", drift.DriftReportListView.as_view()),
 ]

@@ -10,13 +10,14 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import validated
 from registry.access import model_for, version_for
 from registry.api.serializers import AliasSerializer
 from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import actions, approvals
 from ..approvals import move_alias
-from ..metrics import metrics_diff, plan_arm_metrics
+from ..arms import metrics_diff, plan_arm_metrics
 from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
     ApprovalFilter,
@@ -29,12 +30,6 @@ from .serializers import (
     ReasonSerializer,
     WeightSerializer,
 )
-
-
-def _valid(serializer_class, data):
-    body = serializer_class(data=data)
-    body.is_valid(raise_exception=True)
-    return body.validated_data
 
 
 def approval_response(req: ApprovalRequest) -> Response:
@@ -101,7 +96,7 @@ class PlanWeightView(APIView):
         request=WeightSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
     )
     def post(self, request, plan_id: int):
-        body = _valid(WeightSerializer, request.data)
+        body = validated(WeightSerializer, request.data)
         done = approvals.change_weight(
             _plan(request, plan_id), body["weight"], actor_of(request), body["reason"]
         )
@@ -119,7 +114,7 @@ class PlanActionView(APIView):
 
     @extend_schema(request=ReasonSerializer, responses=PlanSerializer)
     def post(self, request, plan_id: int):
-        body = _valid(ReasonSerializer, request.data)
+        body = validated(ReasonSerializer, request.data)
         plan = self.change(_plan(request, plan_id), actor_of(request), body["reason"])
         return Response(PlanSerializer(plan).data)
 
@@ -148,7 +143,7 @@ class PlanPromotionView(APIView):
 
     @extend_schema(request=CommentSerializer, responses={202: ApprovalSerializer})
     def post(self, request, plan_id: int):
-        body = _valid(CommentSerializer, request.data)
+        body = validated(CommentSerializer, request.data)
         plan = _plan(request, plan_id)
         req = approvals.request_promotion(
             plan.model,
@@ -184,7 +179,7 @@ class PromotionListView(APIView):
     @extend_schema(request=PromotionSerializer, responses={202: ApprovalSerializer})
     def post(self, request, name: str):
         model = model_for(request.caller.tenant_id, name)
-        body = _valid(PromotionSerializer, request.data)
+        body = validated(PromotionSerializer, request.data)
         version = version_for(model, body["version"])
         req = approvals.request_promotion(
             model, version, actor_of(request), alias=body["alias"], comment=body["comment"]
@@ -203,7 +198,7 @@ class ApprovalListView(APIView):
 
     @extend_schema(parameters=[ApprovalFilter], responses=ApprovalSerializer(many=True))
     def get(self, request):
-        where = _valid(ApprovalFilter, request.query_params)
+        where = validated(ApprovalFilter, request.query_params)
         found = _requests(request)
         if "model" in where:
             found = found.filter(model__name=where.pop("model"))
@@ -229,7 +224,7 @@ class ApprovalDecisionView(APIView):
 
     @extend_schema(request=CommentSerializer, responses=ApprovalSerializer)
     def post(self, request, request_id: int):
-        body = _valid(CommentSerializer, request.data)
+        body = validated(CommentSerializer, request.data)
         req = get_object_or_404(_requests(request), pk=request_id)
         decided = self.decide(req, actor_of(request), body["comment"])
         return Response(ApprovalSerializer(decided, context={"with_evidence": True}).data)

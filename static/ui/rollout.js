@@ -55,7 +55,7 @@ function renderArms(arms) {
   document.querySelector("#arms tbody").replaceChildren(...rows);
 }
 
-const STEP_MS = 10_000; // the series' resolution (rollouts.metrics.timeseries step_s)
+const STEP_MS = 10_000; // the series' resolution (monitoring.traffic.timeseries step_s)
 const REQUEST_STATES = { pending: "Pending", approved: "Approved", applied: "Applied", rejected: "Rejected", cancelled: "Cancelled" };
 
 // Only slots with traffic come back: a gap in requests/s is zero traffic, so draw it as zero;

@@ -251,19 +251,19 @@ def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
 
 # Monitoring: model ``churn`` (v1 in production, a canary towards v2) with a reference sample,
 # 80 minutes of logged predictions whose spend and support calls move away from it after the
-# first half hour, a drift report every 5 minutes over the last hour (rollouts.drift), three hours
+# first half hour, a drift report every 5 minutes over the last hour (monitoring.drift), three hours
 # of traffic in which the candidate starts failing, and the SLO evaluation that alerts on it.
 SEED_MONITORING = """
 import uuid
 from datetime import timedelta
 import numpy as np
 from django.utils import timezone
-from gateway.models import PredictionLog, TrafficSample
-from gateway.traffic import Counts
+from monitoring.models import PredictionLog, TrafficSample
+from monitoring.traffic import Counts
 from registry.models import ModelVersion
-from rollouts import drift
+from monitoring import drift
 from registry.models import ReferenceSample
-from rollouts.slo import evaluate_slos
+from monitoring.slo import evaluate_slos
 
 rng = np.random.default_rng(7)
 v1 = ModelVersion.objects.select_related("model").get(model__name="churn", version=1)

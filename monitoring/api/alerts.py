@@ -14,12 +14,12 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import validated
 from tenants.authentication import WRITE_ROLES, TenantRolePermission, actor_of
 from tenants.models import Tenant
 
 from ..alerts import resolve_by_hand, set_webhook_url
 from ..models import Alert, AlertKind
-from .views import _valid
 
 # Serializers ---------------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ class AlertListView(APIView):
 
     @extend_schema(parameters=[AlertFilter], responses=AlertSerializer(many=True))
     def get(self, request):
-        where = _valid(AlertFilter, request.query_params)
+        where = validated(AlertFilter, request.query_params)
         found = filtered(alerts_of(request.caller.tenant_id), where)
         return Response(AlertSerializer(found, many=True).data)
 
@@ -121,7 +121,7 @@ class AlertResolveView(APIView):
 
     @extend_schema(request=ResolveSerializer, responses=AlertSerializer)
     def post(self, request, alert_id: int):
-        body = _valid(ResolveSerializer, request.data)
+        body = validated(ResolveSerializer, request.data)
         alert = get_object_or_404(alerts_of(request.caller.tenant_id), pk=alert_id)
         resolved = resolve_by_hand(alert, actor_of(request), body["reason"])
         return Response(AlertSerializer(resolved).data)
@@ -145,6 +145,6 @@ class AlertSettingsView(APIView):
 
     @extend_schema(request=AlertSettingsSerializer, responses=AlertSettingsSerializer)
     def put(self, request):
-        body = _valid(AlertSettingsSerializer, request.data)
+        body = validated(AlertSettingsSerializer, request.data)
         tenant = set_webhook_url(request.caller.tenant_id, body["webhook_url"], actor_of(request))
         return Response({"webhook_url": tenant.alert_webhook_url})

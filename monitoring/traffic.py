@@ -1,22 +1,80 @@
-"""Per-arm and per-model traffic numbers, summed from the gateways' ``TrafficSample`` rows.
-
-Guardrails, approval evidence, the API and the web UI's live charts all read them from here.
-Samples are counted per version, so an arm's numbers are its version's numbers.
+"""Per-version request outcomes: counted in process by each gateway (a few integer additions
+per request), flushed as ``TrafficSample`` rows by its refresh loop (one bulk insert, off the
+request path), and summed over windows (``ArmStats``) for guardrails, evidence, SLOs and charts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db.models import Sum
 from django.utils import timezone
 
-from gateway.models import TrafficSample
-from gateway.traffic import LATENCY_BOUNDS_MS, percentile_ms
+from .models import TrafficSample
 
-from .models import RolloutPlan
-from .strategies import STRATEGIES
+# Upper bounds (ms) of the latency histogram buckets; the last bucket is open-ended.
+LATENCY_BOUNDS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+@dataclass
+class Counts:
+    requests: int = 0
+    errors: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_MS) + 1))
+
+    def add(self, seconds: float, ok: bool) -> None:
+        self.requests += 1
+        if not ok:
+            self.errors += 1
+        self.buckets[bisect.bisect_left(LATENCY_BOUNDS_MS, seconds * 1000)] += 1
+
+
+class TrafficCounter:
+    def __init__(self) -> None:
+        self._counts: dict[int, Counts] = {}
+
+    def record(self, version_id: int, seconds: float, ok: bool) -> None:
+        counts = self._counts.get(version_id)
+        if counts is None:
+            counts = self._counts[version_id] = Counts()
+        counts.add(seconds, ok)
+
+    def drain(self) -> dict[int, Counts]:
+        counts, self._counts = self._counts, {}
+        return counts
+
+
+def save_samples(counts: dict[int, Counts]) -> None:
+    now = timezone.now()
+    TrafficSample.objects.bulk_create(
+        TrafficSample(
+            version_id=vid,
+            window_end=now,
+            requests=c.requests,
+            errors=c.errors,
+            latency_buckets=c.buckets,
+        )
+        for vid, c in counts.items()
+    )
+
+
+def percentile_ms(buckets: list[int], q: float) -> float:
+    """The upper bound of the bucket holding the q-quantile (infinity for the open bucket)."""
+    total = sum(buckets)
+    if total == 0:
+        return 0.0
+    rank = q * total
+    running = 0
+    for i, count in enumerate(buckets):
+        running += count
+        if running >= rank:
+            return LATENCY_BOUNDS_MS[i] if i < len(LATENCY_BOUNDS_MS) else float("inf")
+    return float("inf")
+
+
+# Sums over windows -----------------------------------------------------------------------------
 
 N_BUCKETS = len(LATENCY_BOUNDS_MS) + 1
 
@@ -68,41 +126,6 @@ def arm_stats(version_id: int, since: datetime, until: datetime | None = None) -
     totals = rows.aggregate(requests=Sum("requests"), errors=Sum("errors"))
     buckets = _sum_buckets(rows.values_list("latency_buckets", flat=True))
     return ArmStats(totals["requests"] or 0, totals["errors"] or 0, buckets)
-
-
-def plan_arms(plan: RolloutPlan) -> list[tuple[str, int, float]]:
-    """(arm name, version id, weight) of every arm, plus the shadow candidate at weight 0."""
-    strategy = STRATEGIES[plan.mode]
-    arms = [(a.name, a.version_id, a.weight) for a in strategy.arms(plan)]
-    shadow = strategy.shadow(plan)
-    if shadow is not None:
-        arms.append(("shadow", shadow[0], 0.0))
-    return arms
-
-
-def plan_arm_metrics(plan: RolloutPlan, since: datetime | None = None) -> list[dict]:
-    """Each arm's numbers since ``since`` (default: since the plan started)."""
-    since = since or plan.created_at
-    versions = dict(plan.model.versions.values_list("pk", "version"))
-    return [
-        {"arm": name, "version": versions.get(vid), "weight": weight}
-        | arm_stats(vid, since).as_dict()
-        for name, vid, weight in plan_arms(plan)
-    ]
-
-
-def metrics_diff(arms: list[dict]) -> dict | None:
-    """Candidate minus baseline for the numbers an approver compares (canary and shadow)."""
-    by_name = {a["arm"]: a for a in arms}
-    base = by_name.get("baseline")
-    cand = by_name.get("candidate") or by_name.get("shadow")
-    if base is None or cand is None:
-        return None
-    diff = {}
-    for key in ("error_rate", "p50_ms", "p95_ms", "p99_ms"):
-        if base[key] is not None and cand[key] is not None:
-            diff[key] = round(cand[key] - base[key], 6)
-    return diff
 
 
 def timeseries(

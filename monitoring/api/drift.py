@@ -1,6 +1,6 @@
 """Drift over the API: a version's reference sample (read, upload, or choose a past window of
 its logged predictions) and the model's drift reports. Serializers and thin views over
-``rollouts.drift``.
+``monitoring.drift``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import validated
 from registry.access import model_for, version_for
 from registry.api.serializers import ReferenceUploadSerializer
 from registry.models import ReferenceSample
@@ -104,12 +105,6 @@ class DriftFilter(serializers.Serializer):
 # Views ---------------------------------------------------------------------------------------
 
 
-def _valid(serializer_class, data) -> dict:
-    body = serializer_class(data=data)
-    body.is_valid(raise_exception=True)
-    return dict(body.validated_data)
-
-
 class ReferenceView(APIView):
     """A version's drift reference: what it is (GET), an uploaded sample (PUT), or a past window
     of its logged predictions (POST). Either write replaces the reference and is audited."""
@@ -132,7 +127,7 @@ class ReferenceView(APIView):
     )
     def put(self, request, name: str, version: int):
         found = version_for(model_for(request.caller.tenant_id, name), version)
-        body = _valid(ReferenceUploadSerializer, request.data)
+        body = validated(ReferenceUploadSerializer, request.data)
         sample = set_reference_upload(found, actor_of(request), **body)
         return Response(ReferenceSerializer(sample).data)
 
@@ -143,7 +138,7 @@ class ReferenceView(APIView):
     )
     def post(self, request, name: str, version: int):
         found = version_for(model_for(request.caller.tenant_id, name), version)
-        body = _valid(ReferenceWindowSerializer, request.data)
+        body = validated(ReferenceWindowSerializer, request.data)
         sample = set_reference_window(
             found, body["window_start"], body["window_end"], actor_of(request)
         )
@@ -158,7 +153,7 @@ class DriftReportListView(APIView):
     @extend_schema(parameters=[DriftFilter], responses=DriftReportSerializer(many=True))
     def get(self, request, name: str):
         model = model_for(request.caller.tenant_id, name)
-        where = _valid(DriftFilter, request.query_params)
+        where = validated(DriftFilter, request.query_params)
         reports = DriftReport.objects.filter(model=model).select_related("version")
         if "version" in where:
             reports = reports.filter(version=version_for(model, where["version"]))

@@ -72,7 +72,7 @@ def raise_alert(
     except IntegrityError:  # another worker opened it first
         return Alert.objects.get(tenant_id=tenant_id, key=key, resolved_at=None), False
     if alert.webhook_state == "pending":
-        send_on_commit("rollouts.tasks.deliver_alert", alert.pk)
+        send_on_commit("monitoring.tasks.deliver_alert", alert.pk)
     return alert, True
 
 

@@ -7,7 +7,7 @@ Two SLIs per model:
   against ``Model.slo_availability``;
 - latency: the share of requests answered within ``Model.slo_latency_ms``, against
   ``Model.slo_latency_target``. Latencies are only known as histogram buckets
-  (``gateway.traffic.LATENCY_BOUNDS_MS``, bucket i holding (bound[i-1], bound[i]]), so a request
+  (``monitoring.traffic.LATENCY_BOUNDS_MS``, bucket i holding (bound[i-1], bound[i]]), so a request
   counts as fast only when its whole bucket lies at or under the threshold: a threshold between
   two bounds counts the bucket that straddles it as slow. The SLI is never overstated.
 
@@ -31,12 +31,11 @@ from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Coalesce, TruncMinute
 from django.utils import timezone
 
-from gateway.models import TrafficSample
-from gateway.traffic import LATENCY_BOUNDS_MS
 from registry.models import Model
 
 from .alerts import raise_alert, resolve_alert
-from .models import Alert, AlertKind
+from .models import Alert, AlertKind, TrafficSample
+from .traffic import LATENCY_BOUNDS_MS
 
 SLIS = ("availability", "latency")
 BURN_WINDOWS = {

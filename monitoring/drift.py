@@ -35,13 +35,12 @@ from django.utils import timezone
 from scipy.spatial.distance import jensenshannon
 from scipy.stats import ks_2samp
 
-from gateway.models import PredictionLog
 from registry.models import Model, ModelVersion, ReferenceSample
 from registry.reference import MAX_ROWS, MIN_ROWS, save_reference, value_type
 from tenants.audit import Actor
 
 from .alerts import raise_alert, resolve_alert
-from .models import AlertKind, DriftReport
+from .models import AlertKind, DriftReport, PredictionLog
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from scipy.stats import rankdata
 from registry.models import Model, ModelVersion, TaskKind
 
 from .models import Feedback, PredictionLog
-from .predlog import score_output
+from .prediction_log import score_output
 
 BUCKETS = ("hour", "day")
 MAX_FEEDBACK_ITEMS = 10_000

@@ -1,0 +1,184 @@
+"""What monitoring keeps: per-version traffic samples, the sampled prediction log and its
+ground-truth feedback, drift reports and alerts.
+
+The tables were made by the gateway and rollouts apps and moved here with their rows (each
+model keeps its ``db_table``).
+"""
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class TrafficSample(models.Model):
+    """What one gateway process saw of one version over one flush interval.
+
+    Guardrails compare arms by summing these rows over a window: request and error counts and a
+    latency histogram (bucket upper bounds in ``monitoring.traffic.LATENCY_BOUNDS_MS``).
+    """
+
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="traffic"
+    )
+    window_end = models.DateTimeField(db_index=True)
+    requests = models.PositiveIntegerField()
+    errors = models.PositiveIntegerField()
+    latency_buckets = models.JSONField()
+
+    class Meta:
+        db_table = "gateway_trafficsample"  # made by the gateway app, moved here with its rows
+        ordering = ["-window_end"]
+
+    def __str__(self) -> str:
+        return f"v{self.version_id} @ {self.window_end:%H:%M:%S}: {self.requests} req"
+
+
+class PredictionLog(models.Model):
+    """One sampled prediction: what went in and came out, as logged (personal data redacted).
+
+    ``inputs`` holds columns: {feature or input name: [value per row]}; ``scores`` one number
+    per row (a classifier's positive-class probability or a regressor's value) for drift on the
+    scores and online quality. Written in batches off the request path by each
+    gateway process (``gateway.predlog``); the format is ``monitoring.prediction_log``'s.
+    """
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="+")
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="prediction_logs"
+    )
+    arm = models.CharField(max_length=50, blank=True)
+    request_id = models.CharField(max_length=128)
+    trace_id = models.CharField(max_length=32, blank=True)
+    inputs = models.JSONField(default=dict)
+    outputs = models.JSONField(default=dict)
+    scores = models.JSONField(default=list)
+    latency_ms = models.FloatField()
+    status = models.PositiveSmallIntegerField()
+    created_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        db_table = "gateway_predictionlog"  # made by the gateway app, moved here with its rows
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["version", "created_at"], name="predlog_version_time"),
+            models.Index(fields=["tenant", "request_id"], name="predlog_tenant_request"),
+            models.Index(fields=["model", "created_at"], name="predlog_model_time"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} v{self.version_id} {self.status}"
+
+
+class Feedback(models.Model):
+    """A ground-truth label for a prediction, by request id; it may arrive before or long after
+    the prediction's log row, and is joined to it when quality is computed. Sent again, the
+    label is replaced (a correction)."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    request_id = models.CharField(max_length=128)
+    # A number or class index per row of the request (a list), or one value for one row.
+    label = models.JSONField()
+    received_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        db_table = "gateway_feedback"  # made by the gateway app, moved here with its rows
+        ordering = ["-received_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "request_id"], name="feedback_unique_per_request"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id}: {self.label}"
+
+
+class DriftReport(models.Model):
+    """One run of the drift job on one version: each feature's and the scores' distance from
+    the reference, and data-quality counts, over one window of logged predictions."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey(
+        "registry.Model", on_delete=models.CASCADE, related_name="drift_reports"
+    )
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="drift_reports"
+    )
+    window_start = models.DateTimeField()
+    window_end = models.DateTimeField()
+    reference_source = models.CharField(max_length=10)
+    rows_current = models.PositiveIntegerField()
+    rows_reference = models.PositiveIntegerField()
+    threshold = models.FloatField()
+    # {feature: {"kind": "numeric"|"categorical", "psi", "ks", "ks_pvalue" | "distance",
+    #  "flagged", "edges" | "categories", "reference", "current" (histogram shares)}}
+    features = models.JSONField(default=dict)
+    score = models.JSONField(null=True, blank=True)  # the same shape, on the output scores
+    # {feature: {"nulls", "out_of_range", "schema"}} counted in the current window.
+    quality = models.JSONField(default=dict)
+    flagged = models.JSONField(default=list)  # feature names (and "score") past the threshold
+    max_psi = models.FloatField(default=0.0)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        db_table = "rollouts_driftreport"  # made by the rollouts app, moved here with its rows
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["version", "created_at"], name="drift_version_time")]
+
+    def __str__(self) -> str:
+        return f"drift v{self.version_id} @ {self.created_at:%Y-%m-%d %H:%M}: {self.flagged}"
+
+
+class AlertKind(models.TextChoices):
+    DRIFT = "drift", "Drift"
+    SLO_BURN = "slo_burn", "SLO burn"
+    ROLLBACK = "rollback", "Rollback"
+
+
+class Alert(models.Model):
+    """Something an operator should see: shown in the UI until resolved, and posted to the
+    tenant's webhook (Slack-compatible) with retries. ``key`` folds repeats of one condition
+    into one open alert."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="alerts")
+    model = models.ForeignKey(
+        "registry.Model", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    kind = models.CharField(max_length=10, choices=AlertKind.choices)
+    severity = models.CharField(
+        max_length=10, choices=[("warning", "Warning"), ("critical", "Critical")]
+    )
+    key = models.CharField(max_length=200)
+    title = models.CharField(max_length=200)
+    message = models.TextField()
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    webhook_state = models.CharField(
+        max_length=10,
+        default="none",
+        choices=[
+            ("none", "No webhook"),
+            ("pending", "Pending"),
+            ("sent", "Sent"),
+            ("failed", "Failed"),
+        ],
+    )
+    webhook_attempts = models.PositiveSmallIntegerField(default=0)
+    webhook_error = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        db_table = "rollouts_alert"  # made by the rollouts app, moved here with its rows
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "key"],
+                condition=Q(resolved_at__isnull=True),
+                name="one_open_alert_per_key",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.title}"
