@@ -53,7 +53,6 @@ from .protocol import (
     GenerateRequest,
     Heartbeat,
     Hello,
-    InferError,
     InferRequest,
     InferResult,
     VersionLoad,
@@ -62,13 +61,14 @@ from .protocol import (
     VersionStatus,
     decode_frame,
     encode_frame,
+    error_frame,
     pack_frames,
     tensor_of,
     unpack_frames,
 )
 
 if TYPE_CHECKING:
-    from ._generate import Engine, Reply  # imports torch; loaded only for textgen versions
+    from ._generate import Engine, SendFrames  # imports torch; loaded only for textgen versions
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Sender(Protocol):
 
 
 @dataclass(eq=False)
-class Usage:
+class VersionUsage:
     """What one loaded version holds and how recently it was used: the eviction's inputs."""
 
     memory_bytes: int = 0  # counted against the budget: max(measured, artifact size)
@@ -171,13 +171,13 @@ class Usage:
         self.last_used = time.monotonic()
 
 
-def measure_usage(before: Reading, after: Reading, provider: str, path: Path) -> Usage:
+def measure_usage(before: Reading, after: Reading, provider: str, path: Path) -> VersionUsage:
     """A new version's usage from readings taken around its load and warm-up. A tiny model is
     lost in allocator noise, so it counts at least its artifact's size: never zero."""
     on_cuda = provider in _CUDA_PROVIDERS
     measured = max(0, after.minus(before, on_cuda))
     size = path.stat().st_size
-    return Usage(
+    return VersionUsage(
         memory_bytes=max(measured, size),
         measured_bytes=measured,
         artifact_bytes=size,
@@ -207,7 +207,7 @@ class Loaded:
     spec: VersionSpec
     runtime: Runtime
     batcher: Batcher
-    usage: Usage = field(default_factory=Usage)
+    usage: VersionUsage = field(default_factory=VersionUsage)
 
     @property
     def provider(self) -> str:
@@ -228,7 +228,7 @@ class LoadedTextGen:
 
     spec: VersionSpec
     engine: Engine
-    usage: Usage = field(default_factory=Usage)
+    usage: VersionUsage = field(default_factory=VersionUsage)
 
     @property
     def provider(self) -> str:
@@ -331,7 +331,7 @@ class Agent:
         self._requests: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._outbox: list[bytes] = []
-        self._replier: tuple[Sender | None, Reply] | None = None
+        self._replier: tuple[Sender | None, SendFrames] | None = None
 
     # Connection -------------------------------------------------------------------------------
 
@@ -869,7 +869,7 @@ class Agent:
             if request_id is None:
                 logger.warning("ignoring undecodable frame: %s", exc)
                 return
-            self._track(self.reply(error_frame(request_id, BadInput(str(exc))), received, False))
+            self._track(self.reply(error_reply(request_id, BadInput(str(exc))), received, False))
             return
         if isinstance(header, InferRequest):
             self._track(self.serve_request(header, arrays, received))
@@ -893,9 +893,9 @@ class Agent:
             loaded.usage.requests_total += 1  # the engine's streams count what is in flight
             loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-            self._track(self.send_frame(error_frame(request.id, exc)))
+            self._track(self.send_frame(error_reply(request.id, exc)))
 
-    def replier(self) -> Reply:
+    def replier(self) -> SendFrames:
         """Sends a stream's frames on the current connection, and never on a later one. One
         object per connection, so an engine step's frames go out together."""
         connection = self.connection
@@ -925,7 +925,7 @@ class Agent:
             except Exception as exc:  # noqa: BLE001 - every request id gets a reply
                 if request.trace:  # follow one request end to end: the platform's span
                     logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
-                await self.reply(error_frame(request.id, exc), received, ok=False)
+                await self.reply(error_reply(request.id, exc), received, ok=False)
             else:
                 await self.reply(reply, received, ok=True)
         finally:
@@ -978,9 +978,10 @@ def result_frame(
     return encode_frame(header, outputs)
 
 
-def error_frame(request_id: int, exc: Exception) -> bytes:
+def error_reply(request_id: int, exc: Exception) -> bytes:
+    """The error frame of a request that failed with ``exc``: an agent error's own code, else
+    ``internal`` (logged, as nothing expected it)."""
     code = exc.code if isinstance(exc, AgentError) else "internal"
     if code == "internal":
         logger.warning("request %d failed: %r", request_id, exc)
-    message = str(exc) or type(exc).__name__
-    return encode_frame(InferError(id=request_id, code=code, message=message))
+    return error_frame(request_id, code, str(exc) or type(exc).__name__)

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
 from serving_agent.__main__ import memory_budget_bytes, parse_args
-from serving_agent._client import Loaded, Usage
+from serving_agent._client import Loaded, VersionUsage
 from serving_agent._memory import (
     HOST_BUDGET_FRACTION,
     MiB,
@@ -208,10 +208,12 @@ def test_a_footprint_too_small_to_measure_is_not_checked() -> None:
 
 def test_an_unload_is_expected_to_free_no_more_than_the_artifact() -> None:
     # The first version of a runtime also measured the runtime's one-time setup, which stays.
-    first = Usage(measured_bytes=83 * MiB, artifact_bytes=10 * MiB)
+    first = VersionUsage(measured_bytes=83 * MiB, artifact_bytes=10 * MiB)
     assert first.releasable_bytes == 10 * MiB
-    assert Usage(measured_bytes=40 * MiB, artifact_bytes=36 * MiB).releasable_bytes == 36 * MiB
-    assert Usage(measured_bytes=2 * MiB, artifact_bytes=36 * MiB).releasable_bytes == 2 * MiB
+    larger = VersionUsage(measured_bytes=40 * MiB, artifact_bytes=36 * MiB)
+    assert larger.releasable_bytes == 36 * MiB
+    smaller = VersionUsage(measured_bytes=2 * MiB, artifact_bytes=36 * MiB)
+    assert smaller.releasable_bytes == 2 * MiB
 
 
 def test_the_default_budget_is_the_gpu_memory_else_a_share_of_what_is_available() -> None:
@@ -430,7 +432,7 @@ def blocking_version(spec: VersionSpec, gate: threading.Event, footprint: int) -
         return [inputs["x"][:, :2]]
 
     runtime = FunctionRuntime(run, ["x"], ["y"])
-    usage = Usage(memory_bytes=footprint, measured_bytes=footprint, artifact_bytes=footprint)
+    usage = VersionUsage(memory_bytes=footprint, measured_bytes=footprint, artifact_bytes=footprint)
     return Loaded(spec, runtime, Batcher(runtime, inline=False), usage)
 
 
