@@ -21,7 +21,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -35,6 +35,7 @@ from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes
 from ._cache import ArtifactCache
 from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded
 from ._facts import node_facts
+from ._generation_stats import GenerationStats
 from ._memory import (
     MEASURABLE_BYTES,
     Reading,
@@ -87,7 +88,6 @@ T = TypeVar("T")
 # Fields that change what is loaded; a change in any other field (batching or generation
 # limits) is applied to the running version without reloading it.
 _ARTIFACT_FIELDS = {"sha256", "format", "device", "inputs", "outputs"}
-_GENERATION_TOTALS = ("decode_steps_total", "streams_cancelled_total", "tokens_generated_total")
 
 
 def ws_url(platform: str) -> str:
@@ -316,7 +316,7 @@ class Agent:
         self.stats = Stats()
         self.batch_sizes = BatchSizes()  # shared by every version's batcher
         # Generation counters of unloaded versions, so the heartbeat's totals never go back.
-        self._generation_retired = dict.fromkeys((*_GENERATION_TOTALS, "max_decode_batch"), 0)
+        self._generation_retired = GenerationStats()
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
         # Versions this agent unloaded to make room (id -> the eviction's detail), and versions
         # that could not get room (id -> their spec and why). Neither is loaded again while the
@@ -329,7 +329,7 @@ class Agent:
         self._hello: Hello | None = None
         self._heartbeats: asyncio.Task[None] | None = None
         self._requests: set[asyncio.Task[None]] = set()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._outbox: list[bytes] = []
         self._replier: tuple[Sender | None, SendFrames] | None = None
 
@@ -485,6 +485,7 @@ class Agent:
 
     def heartbeat(self) -> Heartbeat:
         p50, p99 = self.stats.percentiles_ms()
+        generation = self.generation_totals()
         return Heartbeat(
             queue_depth=sum(
                 v.batcher.depth for v in self.versions.values() if isinstance(v, Loaded)
@@ -496,7 +497,10 @@ class Agent:
             p50_ms=p50,
             p99_ms=p99,
             streams_active=sum(e.streams_active for e in self.engines()),
-            **self.generation_totals(),
+            decode_steps_total=generation.decode_steps_total,
+            max_decode_batch=generation.max_decode_batch,
+            streams_cancelled_total=generation.streams_cancelled_total,
+            tokens_generated_total=generation.tokens_generated_total,
             memory_budget_bytes=self.memory_budget_bytes,
             memory_used_bytes=self.memory_used(),
             versions=[self.version_load(v) for _, v in sorted(self.versions.items())],
@@ -525,16 +529,11 @@ class Agent:
     def engines(self) -> list[Engine]:
         return [v.engine for v in self.versions.values() if isinstance(v, LoadedTextGen)]
 
-    def generation_totals(self) -> dict[str, int]:
-        """Generation counters summed over engines, past ones included; the largest batch is
-        the largest any engine ran."""
-        totals = dict(self._generation_retired)
+    def generation_totals(self) -> GenerationStats:
+        """Generation counters summed over engines, past ones included."""
+        totals = replace(self._generation_retired)
         for engine in self.engines():
-            for name in _GENERATION_TOTALS:
-                totals[name] += getattr(engine.stats, name)
-            totals["max_decode_batch"] = max(
-                totals["max_decode_batch"], engine.stats.max_decode_batch
-            )
+            totals.add(engine.stats)
         return totals
 
     def handle_message(self, message: str | bytes) -> None:
@@ -817,11 +816,7 @@ class Agent:
     async def _close(self, loaded: Loaded | LoadedTextGen) -> None:
         if isinstance(loaded, LoadedTextGen):
             await loaded.engine.stop()
-            stats = loaded.engine.stats
-            for name in _GENERATION_TOTALS:
-                self._generation_retired[name] += getattr(stats, name)
-            retired = self._generation_retired
-            retired["max_decode_batch"] = max(retired["max_decode_batch"], stats.max_decode_batch)
+            self._generation_retired.add(loaded.engine.stats)
             return
         await loaded.batcher.stop()
         loaded.runtime.close()

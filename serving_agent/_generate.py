@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ._exceptions import BadInput, NotLoaded, Overloaded
+from ._generation_stats import GenerationStats
 from .protocol import (
     FinishReason,
     GenerateDone,
@@ -51,16 +52,6 @@ MAX_STOP_CHARS = 256
 # Sends one step's frames to the connection a stream came from. The agent drops them if that
 # connection is gone, so a stream never answers on a later connection.
 SendFrames = Callable[[list[bytes]], Awaitable[None]]
-
-
-@dataclass
-class GenerationStats:
-    """Counters for the heartbeat (``streams_active`` is the engine's live stream count)."""
-
-    decode_steps_total: int = 0
-    max_decode_batch: int = 0
-    streams_cancelled_total: int = 0
-    tokens_generated_total: int = 0
 
 
 @dataclass(eq=False)
