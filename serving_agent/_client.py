@@ -16,7 +16,6 @@ import asyncio
 import importlib
 import json
 import logging
-import random
 import struct
 import time
 from collections import deque
@@ -24,15 +23,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
 from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes
 from ._cache import ArtifactCache
+from ._connection import Connection, ws_url
 from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded
 from ._facts import node_facts
 from ._generation_stats import GenerationStats
@@ -48,7 +46,6 @@ from ._memory import (
 from ._runtime import Runtime, load_runtime, warm_up
 from ._signature import check_inputs
 from .protocol import (
-    AGENT_WS_PATH,
     Assign,
     CancelGenerate,
     GenerateRequest,
@@ -63,18 +60,14 @@ from .protocol import (
     decode_frame,
     encode_frame,
     error_frame,
-    pack_frames,
     tensor_of,
-    unpack_frames,
 )
 
 if TYPE_CHECKING:
-    from ._generate import Engine, SendFrames  # imports torch; loaded only for textgen versions
+    from ._generate import Engine  # imports torch; loaded only for textgen versions
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CLOSE_BAD_TOKEN = 4401
 LATENCY_WINDOW = 1024
 # Without the platform's estimate, a version is taken to need twice its artifact: ONNX Runtime
 # holds a copy of the weights plus its arena for activations, a textgen engine the weights plus
@@ -88,20 +81,6 @@ T = TypeVar("T")
 # Fields that change what is loaded; a change in any other field (batching or generation
 # limits) is applied to the running version without reloading it.
 _ARTIFACT_FIELDS = {"sha256", "format", "device", "inputs", "outputs"}
-
-
-def ws_url(platform: str) -> str:
-    """The agent websocket URL for a platform base URL (http -> ws, https -> wss)."""
-    base = platform.rstrip("/")
-    for http, ws in (("https://", "wss://"), ("http://", "ws://")):
-        if base.startswith(http):
-            base = ws + base.removeprefix(http)
-    return base + AGENT_WS_PATH
-
-
-def backoff_delay(attempt: int, base: float = 0.5, cap: float = 10.0) -> float:
-    """Exponential backoff with full jitter, so a fleet of agents does not reconnect in step."""
-    return random.uniform(0, min(cap, base * 2**attempt))
 
 
 def peek_request_id(frame: bytes) -> int | None:
@@ -125,14 +104,6 @@ def estimate_need(spec: VersionSpec, path: Path) -> int:
     """Bytes a version is expected to take once loaded: the platform's estimate, else a multiple
     of its artifact's size."""
     return spec.memory_bytes or NEED_PER_ARTIFACT_BYTE * path.stat().st_size
-
-
-class AuthRejected(Exception):
-    """The platform refused the node token (HTTP 401/403 or close code 4401)."""
-
-
-class Sender(Protocol):
-    async def send(self, message: str | bytes) -> None: ...
 
 
 @dataclass(eq=False)
@@ -298,20 +269,24 @@ class Agent:
         cold_after_s: float = 30.0,
     ) -> None:
         self.platform = platform.rstrip("/")
-        self.url = ws_url(platform)
         self.cache = cache
         self.threads = threads
         self.name = name
-        self.retry_base = retry_base
-        self.retry_cap = retry_cap
-        self.auth_retry_s = auth_retry_s
-        self.stable_s = stable_s  # a connection up this long resets the backoff
         self.deployment = deployment
         self.memory_budget_bytes = memory_budget_bytes  # 0 until hello(): the node's default
         self.cold_after_s = cold_after_s  # idle this long (and nothing queued): may be evicted
         self.headers = {"Authorization": f"Bearer {token}"}
-        self.connection: Sender | None = None
-        self.heartbeat_s = 5.0
+        self.connection = Connection(
+            ws_url(platform),
+            self.headers,
+            self,
+            hello=self.hello,
+            heartbeat=self.heartbeat,
+            retry_base=retry_base,
+            retry_cap=retry_cap,
+            auth_retry_s=auth_retry_s,
+            stable_s=stable_s,
+        )
         self.versions: dict[int, Loaded | LoadedTextGen] = {}
         self.stats = Stats()
         self.batch_sizes = BatchSizes()  # shared by every version's batcher
@@ -327,106 +302,24 @@ class Agent:
         # fit check must count the version that loaded just before it.
         self._load_lock = asyncio.Lock()
         self._hello: Hello | None = None
-        self._heartbeats: asyncio.Task[None] | None = None
         self._requests: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[Any]] = set()
-        self._outbox: list[bytes] = []
-        self._replier: tuple[Sender | None, SendFrames] | None = None
 
     # Connection -------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect and serve until ``stop`` is set, reconnecting with backoff; then unload all."""
-        loop = asyncio.get_running_loop()
-        attempt = 0
         try:
-            while not stop.is_set():
-                started = loop.time()
-                delay = None
-                try:
-                    await self.connect_and_serve(stop)
-                except AuthRejected as exc:
-                    logger.error("platform rejected the node token (%s); check --token", exc)
-                    delay = random.uniform(self.auth_retry_s / 2, self.auth_retry_s)
-                except ConnectionClosed as exc:
-                    logger.warning("connection lost: %s", exc)
-                except (OSError, TimeoutError, WebSocketException) as exc:
-                    logger.warning("cannot reach %s: %s", self.url, exc)
-                except Exception:
-                    logger.exception("connection failed unexpectedly")  # keep the node serving
-                if stop.is_set():
-                    break
-                if loop.time() - started >= self.stable_s:
-                    attempt = 0
-                if delay is None:
-                    delay = backoff_delay(attempt, self.retry_base, self.retry_cap)
-                    attempt += 1
-                logger.info("reconnecting in %.2f s", delay)
-                try:
-                    async with asyncio.timeout(delay):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
+            await self.connection.run(stop)
         finally:
             await self.shutdown()
 
-    async def connect_and_serve(self, stop: asyncio.Event) -> None:
-        """One connection: open it, serve it until it closes or ``stop`` is set."""
-        try:
-            ws = await self.open(stop)
-            if ws is None:
-                return
-            async with ws:
-                logger.info("connected to %s", self.url)
-                await self.serve(ws, stop)
-        except InvalidStatus as exc:
-            if exc.response.status_code in (401, 403):
-                raise AuthRejected(f"HTTP {exc.response.status_code}") from exc
-            raise
-        except ConnectionClosed as exc:
-            if exc.rcvd is not None and exc.rcvd.code == CLOSE_BAD_TOKEN:
-                raise AuthRejected(f"close code {CLOSE_BAD_TOKEN}") from exc
-            raise
-
-    async def open(self, stop: asyncio.Event) -> ClientConnection | None:
-        """Open the websocket, or None if ``stop`` is set first (a dead host can take seconds)."""
-        opening = asyncio.create_task(self._connect())
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({opening, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if not opening.done():
-            opening.cancel()
-            return None
-        return opening.result()
-
-    async def _connect(self) -> ClientConnection:
-        return await connect(
-            self.url,
-            additional_headers=self.headers,
-            max_size=MAX_MESSAGE_BYTES,
-            compression=None,  # deflate would cost CPU on every inference frame
-        )
-
-    async def serve(self, ws: ClientConnection, stop: asyncio.Event) -> None:
-        """Say hello, then handle messages until the connection closes."""
-        await ws.send((await self.hello()).model_dump_json())
-        self.connection = ws
-        self._heartbeats = asyncio.create_task(self.heartbeat_loop(), name="heartbeats")
-        closer = asyncio.create_task(self._close_on(stop, ws), name="closer")
-        try:
-            async for message in ws:
-                self.handle_message(message)
-        finally:
-            self.connection = None
-            self._outbox = []  # replies to the old connection's requests go nowhere
-            self._heartbeats.cancel()
-            closer.cancel()
-            for task in list(self._requests):
-                task.cancel()  # their replies have nowhere to go; the platform fails them
-            for engine in self.engines():
-                engine.cancel_all()  # nobody reads those streams any more; free their rows
-        if not stop.is_set():
-            logger.warning("platform closed the connection (code %s)", ws.close_code)
+    def disconnected(self) -> None:
+        """The connection dropped: stop the work whose answers would go to it."""
+        for task in list(self._requests):
+            task.cancel()  # their replies have nowhere to go; the platform fails them
+        for engine in self.engines():
+            engine.cancel_all()  # nobody reads those streams any more; free their rows
 
     async def hello(self) -> Hello:
         if self._hello is None:  # nvidia-smi is slow and the facts do not change
@@ -440,48 +333,6 @@ class Agent:
             )
             self.memory_budget_bytes = self._hello.memory_budget_bytes
         return self._hello
-
-    async def _close_on(self, stop: asyncio.Event, ws: ClientConnection) -> None:
-        await stop.wait()
-        await ws.close()
-
-    async def send(self, message: str | bytes) -> None:
-        """Send on the current connection; dropped while disconnected (a reconnect re-syncs)."""
-        connection = self.connection
-        if connection is None:
-            return
-        try:
-            await connection.send(message)
-        except ConnectionClosed:
-            pass
-
-    async def send_frame(self, frame: bytes) -> None:
-        await self.send_frames([frame])
-
-    async def send_frames(self, frames: list[bytes], connection: Sender | None = None) -> None:
-        """Queue reply frames; the first sender of an event-loop turn sends all of the turn's
-        frames as one message (a finished batch wakes all its requests in the same turn).
-
-        With ``connection``, the frames are dropped unless it is still the current one: a
-        generation stream answers only on the connection it came from.
-        """
-        if connection is not None and connection is not self.connection:
-            return
-        self._outbox.extend(frames)
-        if len(self._outbox) > len(frames):
-            return  # an earlier reply of this turn is the flusher
-        try:
-            await asyncio.sleep(0)  # let the rest of this turn's replies join
-        finally:
-            # Taken even when cancelled, so the next reply finds an empty outbox and flushes.
-            frames, self._outbox = self._outbox, []
-        if frames:
-            await self.send(pack_frames(frames))
-
-    async def heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            await self.send(self.heartbeat().model_dump_json())
 
     def heartbeat(self) -> Heartbeat:
         p50, p99 = self.stats.percentiles_ms()
@@ -536,19 +387,6 @@ class Agent:
             totals.add(engine.stats)
         return totals
 
-    def handle_message(self, message: str | bytes) -> None:
-        """Dispatch one incoming message; never blocks, so the reader keeps reading."""
-        if isinstance(message, str):
-            self.handle_control(message)
-            return
-        try:
-            frames = unpack_frames(message)
-        except ValueError as exc:
-            logger.warning("ignoring undecodable binary message: %s", exc)
-            return
-        for frame in frames:
-            self.handle_frame(frame)
-
     # Assignments ------------------------------------------------------------------------------
 
     def handle_control(self, text: str) -> None:
@@ -569,12 +407,7 @@ class Agent:
 
     def apply_assign(self, assign: Assign) -> None:
         """Converge on the assigned set: unload the rest, keep what is loaded, load what is new."""
-        if assign.heartbeat_s != self.heartbeat_s:
-            self.heartbeat_s = assign.heartbeat_s
-            if self._heartbeats is not None and not self._heartbeats.done():
-                # Restart rather than finish a sleep of the old (maybe much longer) interval.
-                self._heartbeats.cancel()
-                self._heartbeats = asyncio.create_task(self.heartbeat_loop(), name="heartbeats")
+        self.connection.set_heartbeat_interval(assign.heartbeat_s)
         wanted = {spec.version_id: spec for spec in assign.versions}
         logger.info("assigned versions %s", sorted(wanted))
         for version_id in {*self.versions, *self._loading} - wanted.keys():
@@ -836,7 +669,7 @@ class Agent:
             provider=provider,
             memory_bytes=memory_bytes,
         )
-        await self.send(status.model_dump_json())
+        await self.connection.send(status.model_dump_json())
 
     async def shutdown(self) -> None:
         """Unload everything and wait for background work; the agent is done afterwards."""
@@ -884,19 +717,11 @@ class Agent:
                 raise NotLoaded(f"version {request.version_id} is not ready on this agent")
             if not isinstance(loaded, LoadedTextGen):
                 raise BadInput(f"version {request.version_id} does not generate text")
-            loaded.engine.submit(request, self.replier(), received)
+            loaded.engine.submit(request, self.connection.stream_sender(), received)
             loaded.usage.requests_total += 1  # the engine's streams count what is in flight
             loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-            self._track(self.send_frame(error_reply(request.id, exc)))
-
-    def replier(self) -> SendFrames:
-        """Sends a stream's frames on the current connection, and never on a later one. One
-        object per connection, so an engine step's frames go out together."""
-        connection = self.connection
-        if self._replier is None or self._replier[0] is not connection:
-            self._replier = (connection, partial(self.send_frames, connection=connection))
-        return self._replier[1]
+            self._track(self.connection.send_frames([error_reply(request.id, exc)]))
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -929,7 +754,7 @@ class Agent:
                 usage.finished()
 
     async def reply(self, frame: bytes, received: float, ok: bool) -> None:
-        await self.send_frame(frame)
+        await self.connection.send_frames([frame])
         self.stats.record(time.perf_counter() - received, ok)
 
     async def infer(

@@ -6,7 +6,8 @@ import asyncio
 import hashlib
 import json
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from serving_agent import Agent
 from serving_agent.protocol import (
     AGENT_WS_PATH,
     ARTIFACT_PATH,
@@ -27,6 +29,31 @@ from serving_agent.protocol import (
 
 TOKEN = "node-token"
 ARTIFACT_PREFIX = ARTIFACT_PATH.split("{")[0]
+
+
+@asynccontextmanager
+async def until_stopped(
+    run: Callable[[asyncio.Event], Coroutine[Any, Any, None]], timeout: float = 5.0
+) -> AsyncIterator[None]:
+    """``run(stop)`` in a task for the block; then ``stop`` is set and it must return in time."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        async with asyncio.timeout(timeout):
+            await task
+
+
+@asynccontextmanager
+async def running(agent: Agent, timeout: float = 5.0) -> AsyncIterator[Agent]:
+    """The agent connected (or connecting) for the block; stopped and its cache closed after."""
+    try:
+        async with until_stopped(agent.run, timeout):
+            yield agent
+    finally:
+        agent.cache.close()
 
 
 @dataclass

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime, backoff_delay, ws_url
+from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
 from serving_agent._client import Loaded, peek_request_id
 from serving_agent.protocol import (
     Assign,
@@ -27,6 +26,7 @@ from serving_agent.protocol import (
     tensor_of,
     unpack_frames,
 )
+from tests.agent.conftest import running
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakePlatform, TinyModel
@@ -71,19 +71,6 @@ def make_agent(url: str, tmp_path: Path, token: str = TOKEN) -> Agent:
     )
 
 
-@asynccontextmanager
-async def running(agent: Agent) -> AsyncIterator[Agent]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        async with asyncio.timeout(5):
-            await task
-        agent.cache.close()
-
-
 def infer_frame(request_id: int, x: np.ndarray, version_id: int = 1, **kw: object) -> bytes:
     request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)], **kw)
     return encode_frame(request, [x])
@@ -106,18 +93,6 @@ def assign(*specs: VersionSpec, heartbeat_s: float = 5.0) -> str:
 # Small steps -----------------------------------------------------------------------------------
 
 
-def test_ws_url_swaps_the_scheme_and_adds_the_agent_path() -> None:
-    assert ws_url("http://127.0.0.1:8000") == "ws://127.0.0.1:8000/ws/agent/"
-    assert ws_url("https://switchyard.example/") == "wss://switchyard.example/ws/agent/"
-
-
-def test_backoff_grows_with_full_jitter_up_to_the_cap() -> None:
-    for attempt, ceiling in [(0, 0.5), (1, 1.0), (3, 4.0), (10, 10.0)]:
-        delays = [backoff_delay(attempt) for _ in range(200)]
-        assert all(0 <= d <= ceiling for d in delays)
-        assert max(delays) > ceiling / 2  # jitter spreads over the whole range
-
-
 def test_peek_request_id_reads_the_header_of_a_broken_frame() -> None:
     frame = infer_frame(42, np.zeros((1, 4), np.float32))
     assert peek_request_id(frame[:-4]) == 42
@@ -130,7 +105,7 @@ def loaded_agent(tmp_path: Path, spec: VersionSpec) -> tuple[Agent, Recorder]:
     runtime = FunctionRuntime(lambda inputs: [inputs["x"][:, :2] * 2], ["x"], ["y"])
     agent = make_agent("http://platform.test", tmp_path)
     agent.versions[spec.version_id] = Loaded(spec, runtime, Batcher(runtime, inline=True))
-    agent.connection = recorder = Recorder()
+    agent.connection.socket = recorder = Recorder()
     return agent, recorder
 
 
@@ -139,7 +114,7 @@ async def test_a_request_is_answered_with_its_result(
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    agent.handle_message(infer_message(5, x))
+    agent.connection.handle_message(infer_message(5, x))
     (frame,) = await recorder.frames(1)
     header, (y,) = decode_frame(frame)
     assert isinstance(header, InferResult) and header.id == 5
@@ -154,7 +129,7 @@ async def test_results_report_their_queue_wait_and_run_time_and_batch_sizes(
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
     agent.versions[1].batcher.batch_sizes = agent.batch_sizes
-    agent.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
+    agent.connection.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
     header, _ = decode_frame((await recorder.frames(1))[0])
     assert isinstance(header, InferResult)
     assert header.queue_ms >= 0 and header.compute_ms > 0
@@ -169,7 +144,7 @@ async def test_a_failed_request_is_logged_with_the_platforms_trace(
     agent, recorder = loaded_agent(tmp_path, make_spec())
     trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with caplog.at_level("INFO", logger="serving_agent"):
-        agent.handle_message(infer_message(9, np.zeros((1, 3), np.float32), trace=trace))
+        agent.connection.handle_message(infer_message(9, np.zeros((1, 3), np.float32), trace=trace))
         await recorder.frames(1)
     assert any(trace in r.getMessage() and "request 9" in r.getMessage() for r in caplog.records)
 
@@ -188,7 +163,7 @@ async def test_a_request_that_cannot_run_gets_an_error_frame(
     tmp_path: Path, make_spec: Callable[..., VersionSpec], frame: bytes, code: str
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.handle_message(pack_frames([frame]))
+    agent.connection.handle_message(pack_frames([frame]))
     header, _ = decode_frame((await recorder.frames(1))[0])
     assert isinstance(header, InferError)
     assert (header.id, header.code) == (1, code)
@@ -201,7 +176,7 @@ async def test_an_overloaded_version_answers_overloaded(
     agent, recorder = loaded_agent(tmp_path, make_spec(max_queue=1))
     agent.versions[1].batcher.max_queue = 1
     for request_id in (1, 2):
-        agent.handle_message(infer_message(request_id, np.zeros((1, 4), np.float32)))
+        agent.connection.handle_message(infer_message(request_id, np.zeros((1, 4), np.float32)))
     replies = [decode_frame(frame)[0] for frame in await recorder.frames(2)]
     codes = {r.id: getattr(r, "code", "ok") for r in replies}
     assert codes == {1: "ok", 2: "overloaded"}
@@ -212,7 +187,7 @@ async def test_requests_in_one_message_share_a_batch_and_a_reply_message(
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
     xs = [np.full((1, 4), i, np.float32) for i in range(3)]
-    agent.handle_message(pack_frames([infer_frame(i, x) for i, x in enumerate(xs)]))
+    agent.connection.handle_message(pack_frames([infer_frame(i, x) for i, x in enumerate(xs)]))
     message = await recorder.next()
     assert isinstance(message, bytes)
     replies = [decode_frame(frame) for frame in unpack_frames(message)]
@@ -226,8 +201,8 @@ async def test_an_undecodable_frame_is_ignored(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.handle_message(b"\xff\xff")  # not even a frame length
-    agent.handle_message(pack_frames([b"\x00\x00\x00\x09{}"]))  # a frame without a header
+    agent.connection.handle_message(b"\xff\xff")  # not even a frame length
+    agent.connection.handle_message(pack_frames([b"\x00\x00\x00\x09{}"]))  # no header
     await asyncio.sleep(0.01)
     assert recorder.sent.empty()
 
@@ -335,42 +310,6 @@ async def test_unassigned_versions_are_unloaded(
         header, _ = decode_frame(await platform.next_frame())
         assert agent.versions == {}
     assert isinstance(header, InferError) and header.code == "not_loaded"
-
-
-async def test_a_rejected_token_is_retried(platform: FakePlatform, tmp_path: Path) -> None:
-    async with running(make_agent(platform.url, tmp_path, token="wrong")):
-        async with asyncio.timeout(5):
-            while len(platform.auth_headers) < 2:
-                await asyncio.sleep(0.02)
-    assert platform.auth_headers[:2] == ["Bearer wrong", "Bearer wrong"]
-    assert platform.messages.empty()
-
-
-async def test_close_code_4401_is_retried_like_a_rejected_token(
-    platform: FakePlatform, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    platform.close_code = 4401
-    async with running(make_agent(platform.url, tmp_path)):
-        await platform.next_connection()
-        await platform.next_connection()
-    assert "rejected the node token" in caplog.text
-
-
-async def test_stop_while_connecting_to_a_silent_host_returns_at_once(tmp_path: Path) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()  # accept the TCP connection, never answer the handshake
-
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    agent = make_agent(f"http://127.0.0.1:{port}", tmp_path)
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    await asyncio.sleep(0.1)
-    stop.set()
-    async with asyncio.timeout(2):  # well under the 10 s handshake timeout
-        await task
-    server.close()
-    agent.cache.close()
 
 
 def test_load_avg_is_the_time_requests_spent_over_the_time_that_passed():

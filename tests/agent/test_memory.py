@@ -9,8 +9,7 @@ import hashlib
 import importlib.util
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +46,7 @@ from serving_agent.protocol import (
     pack_frames,
     tensor_of,
 )
+from tests.agent.conftest import running
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakePlatform, TinyModel
@@ -132,19 +132,6 @@ def make_agent(url: str, tmp_path: Path, budget: int, cold_after_s: float = 0.0)
         memory_budget_bytes=budget,
         cold_after_s=cold_after_s,
     )
-
-
-@asynccontextmanager
-async def running(agent: Agent) -> AsyncIterator[Agent]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        async with asyncio.timeout(10):
-            await task
-        agent.cache.close()
 
 
 def assign(*specs: VersionSpec) -> str:
@@ -317,7 +304,7 @@ async def test_a_tiny_version_counts_at_least_its_artifact(
     tiny_model: TinyModel,
     make_spec: Callable[..., VersionSpec],
 ) -> None:
-    async with running(make_agent(platform.url, tmp_path, budget=64 * MiB)):
+    async with running(make_agent(platform.url, tmp_path, budget=64 * MiB), timeout=10):
         ws = await platform.next_connection()
         await ws.send(assign(make_spec()))
         ready = await platform.expect("status", state="ready", version_id=1)
@@ -333,7 +320,7 @@ async def test_a_version_that_does_not_fit_evicts_the_least_recently_used_cold_o
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         ready_a = await platform.expect("status", state="ready", version_id=A)
@@ -374,7 +361,7 @@ async def test_an_evicted_version_that_left_and_came_back_is_loaded_again(
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         await platform.expect("status", state="ready", version_id=A)
@@ -402,7 +389,9 @@ async def test_a_recently_used_version_is_not_evicted_and_the_new_one_does_not_f
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget, cold_after_s=3600)) as agent:
+    async with running(
+        make_agent(platform.url, tmp_path, budget, cold_after_s=3600), timeout=10
+    ) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         await platform.expect("status", state="ready", version_id=A)
@@ -447,7 +436,7 @@ async def test_a_version_with_a_request_in_flight_is_not_evicted(
     platform, gate = big_platform, threading.Event()
     small = make_spec()
     try:
-        async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+        async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
             ws = await platform.next_connection()
             agent.versions[1] = blocking_version(small, gate, budget // 2)
             await ws.send(infer_message(1, 1, np.zeros((1, 4), np.float32)))
@@ -492,7 +481,7 @@ async def test_an_eviction_whose_memory_does_not_come_back_stops_the_load(
     gate.set()
     small = make_spec()
     release_memory()  # garbage of earlier tests must not be counted as freed by the eviction
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
         agent.versions[1] = blocking_version(small, gate, 64 * MiB)
         await ws.send(assign(small, big_spec(B)))
