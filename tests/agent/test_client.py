@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 
 from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
-from serving_agent._client import Loaded, peek_request_id
+from serving_agent._client import peek_request_id
+from serving_agent._versions import Loaded
 from serving_agent.protocol import (
     Assign,
     InferError,
@@ -104,7 +105,7 @@ def loaded_agent(tmp_path: Path, spec: VersionSpec) -> tuple[Agent, Recorder]:
     """An agent already serving ``spec`` with a doubling model, talking to a Recorder."""
     runtime = FunctionRuntime(lambda inputs: [inputs["x"][:, :2] * 2], ["x"], ["y"])
     agent = make_agent("http://platform.test", tmp_path)
-    agent.versions[spec.version_id] = Loaded(spec, runtime, Batcher(runtime, inline=True))
+    agent.versions.loaded[spec.version_id] = Loaded(spec, runtime, Batcher(runtime, inline=True))
     agent.connection.socket = recorder = Recorder()
     return agent, recorder
 
@@ -128,7 +129,7 @@ async def test_results_report_their_queue_wait_and_run_time_and_batch_sizes(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.versions[1].batcher.batch_sizes = agent.batch_sizes
+    agent.versions.loaded[1].batcher.batch_sizes = agent.versions.batch_sizes
     agent.connection.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
     header, _ = decode_frame((await recorder.frames(1))[0])
     assert isinstance(header, InferResult)
@@ -174,7 +175,7 @@ async def test_an_overloaded_version_answers_overloaded(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec(max_queue=1))
-    agent.versions[1].batcher.max_queue = 1
+    agent.versions.loaded[1].batcher.max_queue = 1
     for request_id in (1, 2):
         agent.connection.handle_message(infer_message(request_id, np.zeros((1, 4), np.float32)))
     replies = [decode_frame(frame)[0] for frame in await recorder.frames(2)]
@@ -194,7 +195,7 @@ async def test_requests_in_one_message_share_a_batch_and_a_reply_message(
     assert [header.id for header, _ in replies] == [0, 1, 2]
     for (_, (y,)), x in zip(replies, xs, strict=True):
         np.testing.assert_array_equal(y, x[:, :2] * 2)
-    assert agent.versions[1].batcher.runs == 1
+    assert agent.versions.loaded[1].batcher.runs == 1
 
 
 async def test_an_undecodable_frame_is_ignored(
@@ -211,11 +212,11 @@ async def test_a_new_assign_with_other_limits_keeps_the_loaded_session(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent, recorder = loaded_agent(tmp_path, make_spec())
-    before = agent.versions[1]
+    before = agent.versions.loaded[1]
     agent.handle_control(assign(make_spec(max_batch_size=4, max_queue_delay_ms=2)))
     status = json.loads(await recorder.next())
     assert (status["type"], status["state"]) == ("status", "ready")
-    assert agent.versions[1] is before
+    assert agent.versions.loaded[1] is before
     assert before.batcher.max_batch_size == 4 and before.batcher.max_queue_delay_ms == 2
 
 
@@ -308,7 +309,7 @@ async def test_unassigned_versions_are_unloaded(
         await platform.expect("status", state="unloaded", version_id=1)
         await ws.send(infer_message(4, np.zeros((1, 4), np.float32)))
         header, _ = decode_frame(await platform.next_frame())
-        assert agent.versions == {}
+        assert agent.versions.loaded == {}
     assert isinstance(header, InferError) and header.code == "not_loaded"
 
 

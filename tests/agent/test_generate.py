@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from serving_agent import Agent, ArtifactCache
-from serving_agent._client import LoadedTextGen
 from serving_agent._generate import Engine, find_stop, held_back
+from serving_agent._versions import LoadedTextGen
 from serving_agent.protocol import (
     ARTIFACT_PATH,
     Assign,
@@ -509,7 +509,7 @@ async def test_a_dropped_connection_cancels_every_stream(
     await served.platform.next_connection()
     heartbeat = await served.platform.expect("heartbeat", streams_cancelled_total=2, timeout=5)
     assert heartbeat["streams_active"] == 0
-    assert served.agent.engines()[0]._active == []  # their cache rows are free
+    assert served.agent.versions.engines()[0]._active == []  # their cache rows are free
 
 
 async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
@@ -524,7 +524,7 @@ async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
     (*_, end) = await served.stream(2)
     assert isinstance(end, InferError) and end.code == "not_loaded"
     await served.platform.expect("status", state="unloaded", version_id=2)
-    assert served.agent.versions == {}
+    assert served.agent.versions.loaded == {}
     while not served.platform.messages.empty():  # heartbeats sent before the unload
         served.platform.messages.get_nowait()
     heartbeat = await served.platform.expect("heartbeat")
@@ -532,11 +532,11 @@ async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
 
 
 async def test_new_limits_apply_without_a_reload(served: AgentRun, artifact: bytes) -> None:
-    before = served.agent.versions[2]
+    before = served.agent.versions.loaded[2]
     spec = textgen_spec(artifact, max_streams=8, max_output_tokens=8)
     await served.ws.send(Assign(versions=[spec], heartbeat_s=0.05).model_dump_json())
     await served.platform.expect("status", state="ready", version_id=2)
-    loaded = served.agent.versions[2]
+    loaded = served.agent.versions.loaded[2]
     assert loaded is before and isinstance(loaded, LoadedTextGen)
     assert loaded.engine.limits.max_streams == 8
     await served.ws.send(generate_message(4, "Call me", max_new_tokens=9))

@@ -21,7 +21,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
 from serving_agent.__main__ import memory_budget_bytes, parse_args
-from serving_agent._client import Loaded, VersionUsage
 from serving_agent._memory import (
     HOST_BUDGET_FRACTION,
     MiB,
@@ -33,6 +32,7 @@ from serving_agent._memory import (
     released_enough,
     rss_bytes,
 )
+from serving_agent._versions import Loaded, VersionUsage
 from serving_agent.protocol import (
     ARTIFACT_PATH,
     Assign,
@@ -350,7 +350,7 @@ async def test_a_version_that_does_not_fit_evicts_the_least_recently_used_cold_o
         again = await platform.expect("status", state="evicted", version_id=A)
         await platform.expect("status", state="ready", version_id=B)
         assert again["detail"] == evicted["detail"] and loads(platform, A) == 1
-        assert list(agent.versions) == [B]
+        assert list(agent.versions.loaded) == [B]
 
 
 @pytest.mark.anyio
@@ -370,13 +370,13 @@ async def test_an_evicted_version_that_left_and_came_back_is_loaded_again(
 
         await ws.send(assign(big_spec(B)))
         await platform.expect("status", state="ready", version_id=B)
-        assert agent.evicted == {}
+        assert agent.versions.evicted == {}
         await ws.send(assign(big_spec(A), big_spec(B)))
         evicted = await platform.expect("status", state="evicted", version_id=B)
         await platform.expect("status", state="ready", version_id=A)
         freed, expected = freed_mib(evicted["detail"])
         assert freed >= expected / 2
-        assert loads(platform, A) == 2 and list(agent.versions) == [A]
+        assert loads(platform, A) == 2 and list(agent.versions.loaded) == [A]
         assert agent.heartbeat().evicted == [B]
 
 
@@ -397,12 +397,12 @@ async def test_a_recently_used_version_is_not_evicted_and_the_new_one_does_not_f
         await platform.expect("status", state="ready", version_id=A)
         await ws.send(assign(big_spec(A), big_spec(B)))
         failed = await platform.expect("status", state="failed", version_id=B)
-        used = agent.memory_used()
+        used = agent.versions.memory_used()
         assert failed["detail"] == (
             f"does not fit: needs {mib(2 * len(big_model.data))}, {mib(budget - used)} free of "
             f"{mib(budget)}, no cold version to evict"
         )
-        assert list(agent.versions) == [A] and agent.evicted == {}
+        assert list(agent.versions.loaded) == [A] and agent.versions.evicted == {}
 
         # A reconnect re-assigns the same set: B is reported failed again, not retried.
         await ws.close(1011, "platform restarting")
@@ -438,10 +438,10 @@ async def test_a_version_with_a_request_in_flight_is_not_evicted(
     try:
         async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
             ws = await platform.next_connection()
-            agent.versions[1] = blocking_version(small, gate, budget // 2)
+            agent.versions.loaded[1] = blocking_version(small, gate, budget // 2)
             await ws.send(infer_message(1, 1, np.zeros((1, 4), np.float32)))
             async with asyncio.timeout(5):
-                while agent.versions[1].in_flight == 0:
+                while agent.versions.loaded[1].in_flight == 0:
                     await asyncio.sleep(0.01)
             await ws.send(assign(small, big_spec(B)))
             failed = await platform.expect("status", state="failed", version_id=B)
@@ -460,10 +460,10 @@ async def test_a_version_larger_than_the_whole_budget_evicts_nothing(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent = make_agent("http://platform.test", tmp_path, budget=10 * MiB)
-    agent.versions[1] = blocking_version(make_spec(), threading.Event(), 4 * MiB)
-    problem = await agent.make_room(2, 20 * MiB)
+    agent.versions.loaded[1] = blocking_version(make_spec(), threading.Event(), 4 * MiB)
+    problem = await agent.versions.make_room(2, 20 * MiB)
     assert problem == "does not fit: needs 20.0 MiB, more than the whole budget of 10.0 MiB"
-    assert list(agent.versions) == [1] and agent.evicted == {}
+    assert list(agent.versions.loaded) == [1] and agent.versions.evicted == {}
     await agent.shutdown()
     agent.cache.close()
 
@@ -483,7 +483,7 @@ async def test_an_eviction_whose_memory_does_not_come_back_stops_the_load(
     release_memory()  # garbage of earlier tests must not be counted as freed by the eviction
     async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
-        agent.versions[1] = blocking_version(small, gate, 64 * MiB)
+        agent.versions.loaded[1] = blocking_version(small, gate, 64 * MiB)
         await ws.send(assign(small, big_spec(B)))
         evicted = await platform.expect("status", state="evicted", version_id=1)
         failed = await platform.expect("status", state="failed", version_id=B)
@@ -492,4 +492,4 @@ async def test_an_eviction_whose_memory_does_not_come_back_stops_the_load(
             r"memory not released: evicting v1 freed -?[\d.]+ MiB of the 64.0 MiB expected",
             failed["detail"],
         )
-        assert agent.versions == {} and agent.heartbeat().evicted == [1]
+        assert agent.versions.loaded == {} and agent.heartbeat().evicted == [1]
