@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -22,13 +23,28 @@ from serving_agent import Agent
 from serving_agent.protocol import (
     AGENT_WS_PATH,
     ARTIFACT_PATH,
+    InferRequest,
     TensorSpec,
     VersionSpec,
+    encode_frame,
+    pack_frames,
+    tensor_of,
     unpack_frames,
 )
 
 TOKEN = "node-token"
 ARTIFACT_PREFIX = ARTIFACT_PATH.split("{")[0]
+
+
+def infer_frame(request_id: int, x: np.ndarray, version_id: int = 1, **kw: Any) -> bytes:
+    """An infer request for input ``x``, as the platform frames it."""
+    request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)], **kw)
+    return encode_frame(request, [x])
+
+
+def infer_message(request_id: int, x: np.ndarray, version_id: int = 1, **kw: Any) -> bytes:
+    """One request as the websocket message the platform sends."""
+    return pack_frames([infer_frame(request_id, x, version_id, **kw)])
 
 
 @asynccontextmanager

@@ -37,16 +37,12 @@ from serving_agent.protocol import (
     ARTIFACT_PATH,
     Assign,
     Gpu,
-    InferRequest,
     InferResult,
     TensorSpec,
     VersionSpec,
     decode_frame,
-    encode_frame,
-    pack_frames,
-    tensor_of,
 )
-from tests.agent.conftest import running
+from tests.agent.conftest import infer_message, running
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakePlatform, TinyModel
@@ -136,11 +132,6 @@ def make_agent(url: str, tmp_path: Path, budget: int, cold_after_s: float = 0.0)
 
 def assign(*specs: VersionSpec) -> str:
     return Assign(versions=list(specs)).model_dump_json()
-
-
-def infer_message(request_id: int, version_id: int, x: np.ndarray) -> bytes:
-    request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)])
-    return pack_frames([encode_frame(request, [x])])
 
 
 def loads(platform: FakePlatform, version_id: int) -> int:
@@ -325,7 +316,7 @@ async def test_a_version_that_does_not_fit_evicts_the_least_recently_used_cold_o
         await ws.send(assign(big_spec(A)))
         ready_a = await platform.expect("status", state="ready", version_id=A)
         assert len(big_model.data) <= ready_a["memory_bytes"] <= budget
-        await ws.send(infer_message(1, A, np.ones((1, WIDTH), np.float32)))
+        await ws.send(infer_message(1, np.ones((1, WIDTH), np.float32), version_id=A))
         header, _ = decode_frame(await platform.next_frame())
         assert isinstance(header, InferResult)
         (load_a,) = agent.heartbeat().versions
@@ -439,7 +430,7 @@ async def test_a_version_with_a_request_in_flight_is_not_evicted(
         async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
             ws = await platform.next_connection()
             agent.versions.loaded[1] = blocking_version(small, gate, budget // 2)
-            await ws.send(infer_message(1, 1, np.zeros((1, 4), np.float32)))
+            await ws.send(infer_message(1, np.zeros((1, 4), np.float32)))
             async with asyncio.timeout(5):
                 while agent.versions.loaded[1].in_flight == 0:
                     await asyncio.sleep(0.01)

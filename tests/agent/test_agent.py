@@ -1,4 +1,5 @@
-"""The agent's connection loop: small steps alone, then end to end against a fake platform."""
+"""The agent as a whole: its collaborators wired together, then end to end against the fake
+platform."""
 
 from __future__ import annotations
 
@@ -13,21 +14,17 @@ import onnxruntime as ort
 import pytest
 
 from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
-from serving_agent._client import peek_request_id
 from serving_agent._versions import Loaded
 from serving_agent.protocol import (
     Assign,
     InferError,
-    InferRequest,
     InferResult,
     VersionSpec,
     decode_frame,
-    encode_frame,
     pack_frames,
-    tensor_of,
     unpack_frames,
 )
-from tests.agent.conftest import running
+from tests.agent.conftest import infer_frame, infer_message, running
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakePlatform, TinyModel
@@ -38,7 +35,7 @@ TOKEN = "node-token"
 
 
 class Recorder:
-    """A stand-in connection that keeps what the agent sends."""
+    """A stand-in for the open websocket that keeps what the agent sends."""
 
     def __init__(self) -> None:
         self.sent: asyncio.Queue[str | bytes] = asyncio.Queue()
@@ -49,15 +46,6 @@ class Recorder:
     async def next(self) -> str | bytes:
         async with asyncio.timeout(5):
             return await self.sent.get()
-
-    async def frames(self, count: int) -> list[bytes]:
-        """The next ``count`` frames, from however many binary messages carry them."""
-        frames: list[bytes] = []
-        while len(frames) < count:
-            message = await self.next()
-            assert isinstance(message, bytes)
-            frames.extend(unpack_frames(message))
-        return frames
 
 
 def make_agent(url: str, tmp_path: Path, token: str = TOKEN) -> Agent:
@@ -72,16 +60,6 @@ def make_agent(url: str, tmp_path: Path, token: str = TOKEN) -> Agent:
     )
 
 
-def infer_frame(request_id: int, x: np.ndarray, version_id: int = 1, **kw: object) -> bytes:
-    request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)], **kw)
-    return encode_frame(request, [x])
-
-
-def infer_message(request_id: int, x: np.ndarray, **kw: object) -> bytes:
-    """One request as the websocket message the platform sends."""
-    return pack_frames([infer_frame(request_id, x, **kw)])
-
-
 def reference(model: TinyModel, x: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(str(model.path), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x})[0]
@@ -91,102 +69,24 @@ def assign(*specs: VersionSpec, heartbeat_s: float = 5.0) -> str:
     return Assign(versions=list(specs), heartbeat_s=heartbeat_s).model_dump_json()
 
 
-# Small steps -----------------------------------------------------------------------------------
+# Wiring ----------------------------------------------------------------------------------------
 
 
-def test_peek_request_id_reads_the_header_of_a_broken_frame() -> None:
-    frame = infer_frame(42, np.zeros((1, 4), np.float32))
-    assert peek_request_id(frame[:-4]) == 42
-    assert peek_request_id(b"\x00\x00") is None
-    assert peek_request_id(b"\x00\x00\x00\x02{}") is None
-
-
-def loaded_agent(tmp_path: Path, spec: VersionSpec) -> tuple[Agent, Recorder]:
-    """An agent already serving ``spec`` with a doubling model, talking to a Recorder."""
+def serving_agent(tmp_path: Path, spec: VersionSpec) -> tuple[Agent, Recorder]:
+    """An agent already serving ``spec`` with a doubling model, its connection open on a
+    Recorder."""
     runtime = FunctionRuntime(lambda inputs: [inputs["x"][:, :2] * 2], ["x"], ["y"])
     agent = make_agent("http://platform.test", tmp_path)
-    agent.versions.loaded[spec.version_id] = Loaded(spec, runtime, Batcher(runtime, inline=True))
+    batcher = Batcher(runtime, inline=True, batch_sizes=agent.versions.batch_sizes)
+    agent.versions.loaded[spec.version_id] = Loaded(spec, runtime, batcher)
     agent.connection.socket = recorder = Recorder()
     return agent, recorder
-
-
-async def test_a_request_is_answered_with_its_result(
-    tmp_path: Path, make_spec: Callable[..., VersionSpec]
-) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    agent.connection.handle_message(infer_message(5, x))
-    (frame,) = await recorder.frames(1)
-    header, (y,) = decode_frame(frame)
-    assert isinstance(header, InferResult) and header.id == 5
-    np.testing.assert_array_equal(y, x[:, :2] * 2)
-    heartbeat = agent.heartbeat()
-    assert heartbeat.requests_total == 1 and heartbeat.errors_total == 0
-    assert heartbeat.p50_ms > 0 and heartbeat.in_flight == 0
-
-
-async def test_results_report_their_queue_wait_and_run_time_and_batch_sizes(
-    tmp_path: Path, make_spec: Callable[..., VersionSpec]
-) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.versions.loaded[1].batcher.batch_sizes = agent.versions.batch_sizes
-    agent.connection.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
-    header, _ = decode_frame((await recorder.frames(1))[0])
-    assert isinstance(header, InferResult)
-    assert header.queue_ms >= 0 and header.compute_ms > 0
-    heartbeat = agent.heartbeat()
-    assert heartbeat.batch_size_counts[2] == 1  # 3 rows: the (2, 4] bucket
-    assert heartbeat.batch_rows_total == 3
-
-
-async def test_a_failed_request_is_logged_with_the_platforms_trace(
-    tmp_path: Path, make_spec: Callable[..., VersionSpec], caplog: pytest.LogCaptureFixture
-) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    with caplog.at_level("INFO", logger="serving_agent"):
-        agent.connection.handle_message(infer_message(9, np.zeros((1, 3), np.float32), trace=trace))
-        await recorder.frames(1)
-    assert any(trace in r.getMessage() and "request 9" in r.getMessage() for r in caplog.records)
-
-
-@pytest.mark.parametrize(
-    ("frame", "code"),
-    [
-        (infer_frame(1, np.zeros((1, 4), np.float32), version_id=99), "not_loaded"),
-        (infer_frame(1, np.zeros((1, 3), np.float32)), "bad_input"),
-        (infer_frame(1, np.zeros((1, 4), np.float64)), "bad_input"),
-        (infer_frame(1, np.zeros((1, 4), np.float32), outputs=["nope"]), "bad_input"),
-        (infer_frame(1, np.zeros((1, 4), np.float32))[:-1], "bad_input"),  # truncated tensor
-    ],
-)
-async def test_a_request_that_cannot_run_gets_an_error_frame(
-    tmp_path: Path, make_spec: Callable[..., VersionSpec], frame: bytes, code: str
-) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.connection.handle_message(pack_frames([frame]))
-    header, _ = decode_frame((await recorder.frames(1))[0])
-    assert isinstance(header, InferError)
-    assert (header.id, header.code) == (1, code)
-    assert agent.heartbeat().errors_total == 1
-
-
-async def test_an_overloaded_version_answers_overloaded(
-    tmp_path: Path, make_spec: Callable[..., VersionSpec]
-) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec(max_queue=1))
-    agent.versions.loaded[1].batcher.max_queue = 1
-    for request_id in (1, 2):
-        agent.connection.handle_message(infer_message(request_id, np.zeros((1, 4), np.float32)))
-    replies = [decode_frame(frame)[0] for frame in await recorder.frames(2)]
-    codes = {r.id: getattr(r, "code", "ok") for r in replies}
-    assert codes == {1: "ok", 2: "overloaded"}
 
 
 async def test_requests_in_one_message_share_a_batch_and_a_reply_message(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
+    agent, recorder = serving_agent(tmp_path, make_spec())
     xs = [np.full((1, 4), i, np.float32) for i in range(3)]
     agent.connection.handle_message(pack_frames([infer_frame(i, x) for i, x in enumerate(xs)]))
     message = await recorder.next()
@@ -198,26 +98,50 @@ async def test_requests_in_one_message_share_a_batch_and_a_reply_message(
     assert agent.versions.loaded[1].batcher.runs == 1
 
 
-async def test_an_undecodable_frame_is_ignored(
+async def test_a_heartbeat_adds_up_serving_and_the_loaded_versions(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    agent.connection.handle_message(b"\xff\xff")  # not even a frame length
-    agent.connection.handle_message(pack_frames([b"\x00\x00\x00\x09{}"]))  # no header
-    await asyncio.sleep(0.01)
-    assert recorder.sent.empty()
+    agent, recorder = serving_agent(tmp_path, make_spec())
+    agent.connection.handle_message(infer_message(5, np.ones((3, 4), np.float32)))
+    await recorder.next()
+    heartbeat = agent.heartbeat()
+    assert (heartbeat.requests_total, heartbeat.errors_total, heartbeat.in_flight) == (1, 0, 0)
+    assert heartbeat.p50_ms > 0 and heartbeat.load_avg > 0
+    assert heartbeat.batch_size_counts[2] == 1  # 3 rows: the (2, 4] bucket
+    assert heartbeat.batch_rows_total == 3
+    (load,) = heartbeat.versions
+    assert (load.version_id, load.requests_total, load.in_flight) == (1, 1, 0)
+    assert heartbeat.memory_used_bytes == agent.versions.memory_used()
+    assert heartbeat.evicted == [] and heartbeat.streams_active == 0
 
 
-async def test_a_new_assign_with_other_limits_keeps_the_loaded_session(
+async def test_an_assign_goes_to_the_versions_and_its_heartbeat_interval_to_the_connection(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
-    agent, recorder = loaded_agent(tmp_path, make_spec())
-    before = agent.versions.loaded[1]
-    agent.handle_control(assign(make_spec(max_batch_size=4, max_queue_delay_ms=2)))
+    agent, recorder = serving_agent(tmp_path, make_spec())
+    agent.handle_control(assign(make_spec(max_batch_size=4), heartbeat_s=0.5))
     status = json.loads(await recorder.next())
-    assert (status["type"], status["state"]) == ("status", "ready")
-    assert agent.versions.loaded[1] is before
-    assert before.batcher.max_batch_size == 4 and before.batcher.max_queue_delay_ms == 2
+    assert (status["type"], status["state"], status["version_id"]) == ("status", "ready", 1)
+    assert agent.versions.loaded[1].spec.max_batch_size == 4
+    assert agent.connection.heartbeat_s == 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "logged"),
+    [
+        ('{"type": "rollout"}', "ignoring control message of type 'rollout'"),
+        ("not json", "ignoring control message of type None"),
+        ('{"type": "assign", "versions": [{"version_id": "x"}]}', "ignoring invalid assign"),
+    ],
+)
+async def test_other_control_messages_are_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, logged: str
+) -> None:
+    agent = make_agent("http://platform.test", tmp_path)
+    agent.handle_control(text)
+    assert logged in caplog.text
+    assert agent.connection.heartbeat_s == 5.0 and agent.versions.loaded == {}
+    agent.cache.close()
 
 
 # End to end ------------------------------------------------------------------------------------
@@ -311,18 +235,3 @@ async def test_unassigned_versions_are_unloaded(
         header, _ = decode_frame(await platform.next_frame())
         assert agent.versions.loaded == {}
     assert isinstance(header, InferError) and header.code == "not_loaded"
-
-
-def test_load_avg_is_the_time_requests_spent_over_the_time_that_passed():
-    from serving_agent._client import Stats
-
-    now = [100.0]
-    stats = Stats(clock=lambda: now[0])
-    # Over 2 s, 400 requests of 10 ms each: 2 requests in the agent on average, although a
-    # look at any instant may well find none.
-    for _ in range(400):
-        stats.record(0.010, ok=True)
-    now[0] += 2.0
-    assert stats.load_avg() == pytest.approx(2.0)
-    now[0] += 1.0  # a quiet second: the window starts afresh
-    assert stats.load_avg() == 0.0

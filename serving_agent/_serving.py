@@ -1,5 +1,5 @@
-"""The agent: the connection and the set of loaded versions wired together, and the serving of
-inference and generation frames on the versions loaded."""
+"""Request serving: one binary frame from the platform in, its reply frames out. Infer requests
+run through their version's batcher, generate requests join its engine's streams."""
 
 from __future__ import annotations
 
@@ -9,38 +9,41 @@ import logging
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from functools import partial
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from pydantic import ValidationError
 
-from ._cache import ArtifactCache
-from ._connection import Connection, ws_url
 from ._exceptions import AgentError, BadInput, NotLoaded
-from ._facts import node_facts
-from ._memory import gpu_use
 from ._signature import check_inputs
-from ._versions import LoadedTextGen, VersionSet
+from ._versions import Loaded, LoadedTextGen
 from .protocol import (
-    Assign,
     CancelGenerate,
     GenerateRequest,
-    Heartbeat,
-    Hello,
     InferRequest,
     InferResult,
-    VersionStatus,
     decode_frame,
     encode_frame,
     error_frame,
     tensor_of,
 )
 
+if TYPE_CHECKING:
+    from ._generate import Engine, SendFrames  # imports torch; loaded only for textgen versions
+
 logger = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 1024
+
+
+class FrameSender(Protocol):
+    """Where replies go: the agent's ``Connection``, or a recorder in tests."""
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        """Send reply frames on the open connection (dropped while there is none)."""
+
+    def stream_sender(self) -> SendFrames:
+        """Sends a generation stream's frames on the open connection, never on a later one."""
 
 
 def peek_request_id(frame: bytes) -> int | None:
@@ -91,146 +94,19 @@ class Stats:
         return float(p50), float(p99)
 
 
-class Agent:
-    """Serves the versions the platform assigns, over one websocket at a time."""
+class Serving:
+    """Serves the platform's frames on the versions loaded now; every request id gets exactly
+    one reply (a result, an error, or a stream that ends with done or an error).
 
-    def __init__(
-        self,
-        platform: str,
-        token: str,
-        cache: ArtifactCache,
-        *,
-        threads: int = 1,
-        name: str | None = None,
-        retry_base: float = 0.5,
-        retry_cap: float = 10.0,
-        auth_retry_s: float = 60.0,
-        stable_s: float = 10.0,
-        deployment: str | None = None,
-        memory_budget_bytes: int = 0,
-        cold_after_s: float = 30.0,
-    ) -> None:
-        self.platform = platform.rstrip("/")
-        self.cache = cache
-        self.name = name
-        self.deployment = deployment
-        self.memory_budget_bytes = memory_budget_bytes  # 0 until hello(): the node's default
-        self.headers = {"Authorization": f"Bearer {token}"}
-        self.connection = Connection(
-            ws_url(platform),
-            self.headers,
-            self,
-            hello=self.hello,
-            heartbeat=self.heartbeat,
-            retry_base=retry_base,
-            retry_cap=retry_cap,
-            auth_retry_s=auth_retry_s,
-            stable_s=stable_s,
-        )
-        self.versions = VersionSet(
-            cache,
-            self.report_status,
-            platform=self.platform,
-            headers=self.headers,
-            memory_budget=self.memory_budget,
-            threads=threads,
-            cold_after_s=cold_after_s,
-        )
+    It reads the loaded versions and counts their use, but never loads or unloads one: that is
+    the version set's job.
+    """
+
+    def __init__(self, loaded: Mapping[int, Loaded | LoadedTextGen], sender: FrameSender) -> None:
+        self.loaded = loaded
+        self.sender = sender
         self.stats = Stats()
-        self._hello: Hello | None = None
         self._requests: set[asyncio.Task[None]] = set()
-
-    # Connection -------------------------------------------------------------------------------
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Connect and serve until ``stop`` is set, reconnecting with backoff; then unload all."""
-        try:
-            await self.connection.run(stop)
-        finally:
-            await self.shutdown()
-
-    def disconnected(self) -> None:
-        """The connection dropped: stop the work whose answers would go to it."""
-        for task in list(self._requests):
-            task.cancel()  # their replies have nowhere to go; the platform fails them
-        for engine in self.versions.engines():
-            engine.cancel_all()  # nobody reads those streams any more; free their rows
-
-    async def hello(self) -> Hello:
-        if self._hello is None:  # nvidia-smi is slow and the facts do not change
-            self._hello = await asyncio.to_thread(
-                partial(
-                    node_facts,
-                    self.name,
-                    deployment=self.deployment,
-                    memory_budget_bytes=self.memory_budget_bytes,
-                )
-            )
-            self.memory_budget_bytes = self._hello.memory_budget_bytes
-        return self._hello
-
-    async def memory_budget(self) -> int:
-        """The memory loaded versions may fill, settled by the node's facts."""
-        return (await self.hello()).memory_budget_bytes
-
-    async def report_status(self, status: VersionStatus) -> None:
-        await self.connection.send(status.model_dump_json())
-
-    def heartbeat(self) -> Heartbeat:
-        stats, versions = self.stats, self.versions
-        p50, p99 = stats.percentiles_ms()
-        generation = versions.generation_totals()
-        return Heartbeat(
-            queue_depth=versions.queue_depth(),
-            in_flight=stats.in_flight,
-            load_avg=round(stats.load_avg(), 3),
-            requests_total=stats.requests_total,
-            errors_total=stats.errors_total,
-            p50_ms=p50,
-            p99_ms=p99,
-            streams_active=versions.streams_active(),
-            decode_steps_total=generation.decode_steps_total,
-            max_decode_batch=generation.max_decode_batch,
-            streams_cancelled_total=generation.streams_cancelled_total,
-            tokens_generated_total=generation.tokens_generated_total,
-            memory_budget_bytes=self.memory_budget_bytes,
-            memory_used_bytes=versions.memory_used(),
-            versions=versions.loads(),
-            evicted=sorted(versions.evicted),
-            gpus=gpu_use(),
-            batch_size_counts=versions.batch_sizes.counts,
-            batch_rows_total=versions.batch_sizes.rows_total,
-        )
-
-    def handle_control(self, text: str) -> None:
-        try:
-            data = json.loads(text)
-            kind = data.get("type") if isinstance(data, dict) else None
-        except ValueError:
-            kind = None
-        if kind != "assign":
-            logger.warning("ignoring control message of type %r", kind)
-            return
-        try:
-            assign = Assign.model_validate(data)
-        except ValidationError as exc:
-            logger.error("ignoring invalid assign: %s", exc)
-            return
-        self.apply_assign(assign)
-
-    def apply_assign(self, assign: Assign) -> None:
-        """Converge on the assigned set: unload the rest, keep what is loaded, load what is new."""
-        self.connection.set_heartbeat_interval(assign.heartbeat_s)
-        self.versions.apply(assign)
-
-    async def shutdown(self) -> None:
-        """Unload everything and wait for background work; the agent is done afterwards."""
-        for task in list(self._requests):
-            task.cancel()
-        await self.versions.shutdown()
-        await asyncio.gather(*self._requests, return_exceptions=True)
-
-    # Inference --------------------------------------------------------------------------------
 
     def handle_frame(self, frame: bytes) -> None:
         """Start serving one binary frame; every request id gets exactly one reply."""
@@ -249,24 +125,24 @@ class Agent:
         elif isinstance(header, GenerateRequest):
             self.start_generation(header, received)
         elif isinstance(header, CancelGenerate):
-            for engine in self.versions.engines():
+            for engine in self.engines():
                 engine.cancel(header.id)
         else:
             logger.warning("ignoring %s frame from the platform", type(header).__name__)
 
     def start_generation(self, request: GenerateRequest, received: float) -> None:
         """Hand a stream to its version's engine, or answer with the error it gets."""
-        loaded = self.versions.loaded.get(request.version_id)
+        loaded = self.loaded.get(request.version_id)
         try:
             if loaded is None:
                 raise NotLoaded(f"version {request.version_id} is not ready on this agent")
             if not isinstance(loaded, LoadedTextGen):
                 raise BadInput(f"version {request.version_id} does not generate text")
-            loaded.engine.submit(request, self.connection.stream_sender(), received)
+            loaded.engine.submit(request, self.sender.stream_sender(), received)
             loaded.usage.requests_total += 1  # the engine's streams count what is in flight
             loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-            self._track(self.connection.send_frames([error_reply(request.id, exc)]))
+            self._track(self.sender.send_frames([error_reply(request.id, exc)]))
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -277,7 +153,7 @@ class Agent:
         self, request: InferRequest, arrays: list[np.ndarray], received: float
     ) -> None:
         """Run one request and reply with its result or error frame."""
-        loaded = self.versions.loaded.get(request.version_id)
+        loaded = self.loaded.get(request.version_id)
         usage = loaded.usage if loaded is not None else None
         del loaded  # an eviction must not find the version still referenced here
         if usage is not None:
@@ -299,7 +175,7 @@ class Agent:
                 usage.finished()
 
     async def reply(self, frame: bytes, received: float, ok: bool) -> None:
-        await self.connection.send_frames([frame])
+        await self.sender.send_frames([frame])
         self.stats.record(time.perf_counter() - received, ok)
 
     async def infer(
@@ -307,7 +183,7 @@ class Agent:
     ) -> tuple[list[str], list[np.ndarray], float, float]:
         """The requested outputs (names and arrays, in the model's order) for one request, and
         the seconds it waited for its batch and the seconds the batch's run took."""
-        loaded = self.versions.loaded.get(request.version_id)
+        loaded = self.loaded.get(request.version_id)
         if loaded is None:
             raise NotLoaded(f"version {request.version_id} is not ready on this agent")
         if isinstance(loaded, LoadedTextGen):
@@ -324,6 +200,22 @@ class Agent:
         outputs, queue_s, compute_s = await loaded.batcher.infer_timed(inputs)
         picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
         return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
+
+    def engines(self) -> list[Engine]:
+        return [v.engine for v in self.loaded.values() if isinstance(v, LoadedTextGen)]
+
+    def drop_connection(self) -> None:
+        """The connection dropped: stop the work whose answers would go to it."""
+        for task in list(self._requests):
+            task.cancel()  # their replies have nowhere to go; the platform fails them
+        for engine in self.engines():
+            engine.cancel_all()  # nobody reads those streams any more; free their rows
+
+    async def shutdown(self) -> None:
+        """Cancel the requests still running and wait for them to end."""
+        for task in list(self._requests):
+            task.cancel()
+        await asyncio.gather(*self._requests, return_exceptions=True)
 
 
 def result_frame(
