@@ -48,7 +48,7 @@ class AuthRejected(Exception):
     """The platform refused the node token (HTTP 401/403 or close code 4401)."""
 
 
-class Sender(Protocol):
+class Socket(Protocol):
     """An open websocket, as far as sending goes."""
 
     async def send(self, message: str | bytes) -> None: ...
@@ -96,12 +96,12 @@ class Connection:
         self.auth_retry_s = auth_retry_s
         self.stable_s = stable_s  # a connection up this long resets the backoff
         self.heartbeat_s = 5.0
-        self.socket: Sender | None = None  # the open websocket; None while disconnected
+        self.socket: Socket | None = None  # the open websocket; None while disconnected
         self._hello = hello
         self._heartbeat = heartbeat
         self._heartbeats: asyncio.Task[None] | None = None
         self._outbox: list[bytes] = []
-        self._stream_sender: tuple[Sender | None, SendFrames] | None = None
+        self._stream_sender: tuple[Socket | None, SendFrames] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect and serve until ``stop`` is set, reconnecting with backoff."""
@@ -217,7 +217,7 @@ class Connection:
         except ConnectionClosed:
             pass
 
-    async def send_frames(self, frames: list[bytes], socket: Sender | None = None) -> None:
+    async def send_frames(self, frames: list[bytes], socket: Socket | None = None) -> None:
         """Queue reply frames; the first sender of an event-loop turn sends all of the turn's
         frames as one message (a finished batch wakes all its requests in the same turn).
 
