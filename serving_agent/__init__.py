@@ -4,12 +4,14 @@ Never imports Django: it talks to the platform only over the wire protocol in ``
 """
 
 from .__version__ import __version__
+from ._agent import Agent
 from ._batcher import Batcher
 from ._cache import ArtifactCache
-from ._client import Agent, AuthRejected, Stats, backoff_delay, ws_url
+from ._connection import AuthRejected, backoff_delay, ws_url
 from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded, Overloaded
 from ._facts import node_facts
 from ._runtime import FunctionRuntime, OnnxRuntime, Runtime, load_runtime, warm_up
+from ._serving import Stats
 
 __all__ = [
     "Agent",

@@ -11,8 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
+from ._agent import Agent
 from ._cache import ArtifactCache
-from ._client import Agent
 from ._memory import HOST_BUDGET_FRACTION, MiB
 
 DEFAULT_CACHE = "~/.cache/switchyard-agent"

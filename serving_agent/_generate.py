@@ -22,15 +22,16 @@ from pathlib import Path
 import torch
 
 from ._exceptions import BadInput, NotLoaded, Overloaded
+from ._generation_stats import GenerationStats
 from .protocol import (
     FinishReason,
     GenerateDone,
     GenerateRequest,
     GenerationLimits,
-    InferError,
     TokenChunk,
     VersionSpec,
     encode_frame,
+    error_frame,
 )
 from .textgen import (
     NEWLINE,
@@ -50,17 +51,7 @@ MAX_STOP_CHARS = 256
 
 # Sends one step's frames to the connection a stream came from. The agent drops them if that
 # connection is gone, so a stream never answers on a later connection.
-Reply = Callable[[list[bytes]], Awaitable[None]]
-
-
-@dataclass
-class GenerationStats:
-    """Counters for the heartbeat (``streams_active`` is the engine's live stream count)."""
-
-    decode_steps_total: int = 0
-    max_decode_batch: int = 0
-    streams_cancelled_total: int = 0
-    tokens_generated_total: int = 0
+SendFrames = Callable[[list[bytes]], Awaitable[None]]
 
 
 @dataclass(eq=False)
@@ -69,7 +60,7 @@ class Stream:
 
     request: GenerateRequest
     prompt: list[int]  # at least one token
-    reply: Reply
+    send: SendFrames
     received: float
     generator: torch.Generator | None  # None: greedy
     detok: Detokenizer = field(default_factory=Detokenizer)
@@ -150,7 +141,9 @@ class Engine:
 
     # Event loop side ----------------------------------------------------------------------------
 
-    def submit(self, request: GenerateRequest, reply: Reply, received: float | None = None) -> None:
+    def submit(
+        self, request: GenerateRequest, send: SendFrames, received: float | None = None
+    ) -> None:
         """Queue a stream for the next step, or raise the error its request gets."""
         if self._stopped:
             raise NotLoaded("version unloaded")
@@ -182,7 +175,7 @@ class Engine:
         stream = Stream(
             request=request,
             prompt=prompt or [NEWLINE],
-            reply=reply,
+            send=send,
             received=time.perf_counter() if received is None else received,
             generator=generator,
         )
@@ -217,8 +210,7 @@ class Engine:
         self._cancel.clear()
         self._active = []
         for stream in stranded:
-            frame = InferError(id=stream.id, code="not_loaded", message="version unloaded")
-            await stream.reply([encode_frame(frame)])
+            await stream.send([error_frame(stream.id, "not_loaded", "version unloaded")])
         self._executor.shutdown(wait=False)
         self.cache = KVCache(self.model.config, 0)  # give the memory back now
 
@@ -244,12 +236,12 @@ class Engine:
         for stream in finished:
             if self._live.get(stream.id) is stream:
                 del self._live[stream.id]
-        by_reply: dict[Reply, list[bytes]] = {}
+        by_sender: dict[SendFrames, list[bytes]] = {}
         for stream, frame in out:
-            by_reply.setdefault(stream.reply, []).append(frame)
-        for reply, frames in by_reply.items():
+            by_sender.setdefault(stream.send, []).append(frame)
+        for send, frames in by_sender.items():
             try:
-                await reply(frames)
+                await send(frames)
             except Exception:  # noqa: BLE001 - one broken connection must not stop the others
                 logger.exception("sending generation frames failed")
 
@@ -259,8 +251,7 @@ class Engine:
         for stream in [*admit, *self._active]:
             if stream.finish is None:
                 stream.finish = "cancelled"  # ended: a late cancel must not send a done frame
-                frame = InferError(id=stream.id, code="internal", message=message)
-                out.append((stream, encode_frame(frame)))
+                out.append((stream, error_frame(stream.id, "internal", message)))
         return out
 
     # Worker side -------------------------------------------------------------------------------

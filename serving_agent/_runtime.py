@@ -143,7 +143,7 @@ def warm_up(runtime: Runtime, spec: VersionSpec, timed_runs: int = 10) -> float:
         # A model with a fixed batch of 1 fails here, at load, not on the first busy minute.
         full = zeros_feed(spec.inputs, spec.max_batch_size)
         check_output_rows(runtime.run(full), spec.max_batch_size)
-    times = []
+    times: list[float] = []
     deadline = time.perf_counter() + 1.0  # bound the warm-up of slow models
     while len(times) < timed_runs and (not times or time.perf_counter() < deadline):
         start = time.perf_counter()

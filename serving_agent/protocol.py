@@ -335,6 +335,11 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, list[np.ndarray]]:
     return header, arrays
 
 
+def error_frame(request_id: int, code: ErrorCode, message: str) -> bytes:
+    """The frame answering a request that failed: an ``InferError`` with its code and why."""
+    return encode_frame(InferError(id=request_id, code=code, message=message))
+
+
 def tensor_of(name: str, array: np.ndarray) -> FrameTensor:
     """The frame header entry describing ``array`` (which must be a supported numeric dtype)."""
     return FrameTensor(name, NUMPY_TO_OIP[array.dtype.newbyteorder("<")], list(array.shape))

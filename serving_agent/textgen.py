@@ -190,11 +190,12 @@ class TextGenModel(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.context, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        blocks = [Block(config, i) for i in range(config.n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2: scale residual projections by depth
+        for block in blocks:  # GPT-2: scale residual projections by depth
             for linear in (block.attn.proj, block.out):
                 nn.init.normal_(linear.weight, std=0.02 / math.sqrt(2 * config.n_layer))
 

@@ -6,27 +6,70 @@ import asyncio
 import hashlib
 import json
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from serving_agent import Agent
 from serving_agent.protocol import (
     AGENT_WS_PATH,
     ARTIFACT_PATH,
+    InferRequest,
     TensorSpec,
     VersionSpec,
+    encode_frame,
+    pack_frames,
+    tensor_of,
     unpack_frames,
 )
 
 TOKEN = "node-token"
 ARTIFACT_PREFIX = ARTIFACT_PATH.split("{")[0]
+
+
+def infer_frame(request_id: int, x: np.ndarray, version_id: int = 1, **kw: Any) -> bytes:
+    """An infer request for input ``x``, as the platform frames it."""
+    request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)], **kw)
+    return encode_frame(request, [x])
+
+
+def infer_message(request_id: int, x: np.ndarray, version_id: int = 1, **kw: Any) -> bytes:
+    """One request as the websocket message the platform sends."""
+    return pack_frames([infer_frame(request_id, x, version_id, **kw)])
+
+
+@asynccontextmanager
+async def until_stopped(
+    run: Callable[[asyncio.Event], Coroutine[Any, Any, None]], timeout: float = 5.0
+) -> AsyncIterator[None]:
+    """``run(stop)`` in a task for the block; then ``stop`` is set and it must return in time."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        async with asyncio.timeout(timeout):
+            await task
+
+
+@asynccontextmanager
+async def running(agent: Agent, timeout: float = 5.0) -> AsyncIterator[Agent]:
+    """The agent connected (or connecting) for the block; stopped and its cache closed after."""
+    try:
+        async with until_stopped(agent.run, timeout):
+            yield agent
+    finally:
+        agent.cache.close()
 
 
 @dataclass

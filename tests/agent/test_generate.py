@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from serving_agent import Agent, ArtifactCache
-from serving_agent._client import LoadedTextGen
 from serving_agent._generate import Engine, find_stop, held_back
+from serving_agent._versions import LoadedTextGen
 from serving_agent.protocol import (
     ARTIFACT_PATH,
     Assign,
@@ -36,6 +36,7 @@ from serving_agent.protocol import (
     tensor_of,
 )
 from serving_agent.textgen import TextGenModel, from_safetensors, generate, sample
+from tests.agent.conftest import running
 from tests.textgen_models import tiny_textgen
 
 if TYPE_CHECKING:
@@ -403,20 +404,13 @@ async def served(
 ) -> AsyncIterator[AgentRun]:
     platform.artifacts[2] = artifact
     agent = Agent(platform.url, TOKEN, ArtifactCache(tmp_path / "cache"), name="test-node")
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    try:
+    async with running(agent, timeout=10):
         ws = await platform.next_connection()
         assign = Assign(versions=[textgen_spec(artifact)], heartbeat_s=0.05)
         await ws.send(assign.model_dump_json())
         ready = await platform.expect("status", state="ready", version_id=2, timeout=20)
         assert ready["provider"] == "torch-cpu"
         yield AgentRun(agent, platform, ws)
-    finally:
-        stop.set()
-        async with asyncio.timeout(10):
-            await task
-        agent.cache.close()
 
 
 def slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.005) -> None:
@@ -515,26 +509,7 @@ async def test_a_dropped_connection_cancels_every_stream(
     await served.platform.next_connection()
     heartbeat = await served.platform.expect("heartbeat", streams_cancelled_total=2, timeout=5)
     assert heartbeat["streams_active"] == 0
-    assert served.agent.engines()[0]._active == []  # their cache rows are free
-
-
-async def test_frames_of_a_stream_never_go_out_on_a_later_connection(tmp_path: Path) -> None:
-    agent = Agent("http://platform.test", TOKEN, ArtifactCache(tmp_path), name="test-node")
-    agent.connection = old = Recorder()
-    reply = agent.replier()
-    assert agent.replier() is reply  # one per connection: a step's frames go out together
-    agent.connection = new = Recorder()
-    await reply([b"late frame"])
-    await agent.replier()([b"fresh frame"])
-    assert old.sent == [] and new.sent == [pack_frames([b"fresh frame"])]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[str | bytes] = []
-
-    async def send(self, message: str | bytes) -> None:
-        self.sent.append(message)
+    assert served.agent.versions.engines()[0]._active == []  # their cache rows are free
 
 
 async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
@@ -549,7 +524,7 @@ async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
     (*_, end) = await served.stream(2)
     assert isinstance(end, InferError) and end.code == "not_loaded"
     await served.platform.expect("status", state="unloaded", version_id=2)
-    assert served.agent.versions == {}
+    assert served.agent.versions.loaded == {}
     while not served.platform.messages.empty():  # heartbeats sent before the unload
         served.platform.messages.get_nowait()
     heartbeat = await served.platform.expect("heartbeat")
@@ -557,11 +532,11 @@ async def test_unloading_a_version_fails_its_streams_and_keeps_the_totals(
 
 
 async def test_new_limits_apply_without_a_reload(served: AgentRun, artifact: bytes) -> None:
-    before = served.agent.versions[2]
+    before = served.agent.versions.loaded[2]
     spec = textgen_spec(artifact, max_streams=8, max_output_tokens=8)
     await served.ws.send(Assign(versions=[spec], heartbeat_s=0.05).model_dump_json())
     await served.platform.expect("status", state="ready", version_id=2)
-    loaded = served.agent.versions[2]
+    loaded = served.agent.versions.loaded[2]
     assert loaded is before and isinstance(loaded, LoadedTextGen)
     assert loaded.engine.limits.max_streams == 8
     await served.ws.send(generate_message(4, "Call me", max_new_tokens=9))

@@ -9,8 +9,7 @@ import hashlib
 import importlib.util
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +21,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from serving_agent import Agent, ArtifactCache, Batcher, FunctionRuntime
 from serving_agent.__main__ import memory_budget_bytes, parse_args
-from serving_agent._client import Loaded, Usage
 from serving_agent._memory import (
     HOST_BUDGET_FRACTION,
     MiB,
@@ -34,19 +32,17 @@ from serving_agent._memory import (
     released_enough,
     rss_bytes,
 )
+from serving_agent._versions import Loaded, VersionUsage
 from serving_agent.protocol import (
     ARTIFACT_PATH,
     Assign,
     Gpu,
-    InferRequest,
     InferResult,
     TensorSpec,
     VersionSpec,
     decode_frame,
-    encode_frame,
-    pack_frames,
-    tensor_of,
 )
+from tests.agent.conftest import infer_message, running
 
 if TYPE_CHECKING:
     from tests.agent.conftest import FakePlatform, TinyModel
@@ -134,26 +130,8 @@ def make_agent(url: str, tmp_path: Path, budget: int, cold_after_s: float = 0.0)
     )
 
 
-@asynccontextmanager
-async def running(agent: Agent) -> AsyncIterator[Agent]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        async with asyncio.timeout(10):
-            await task
-        agent.cache.close()
-
-
 def assign(*specs: VersionSpec) -> str:
     return Assign(versions=list(specs)).model_dump_json()
-
-
-def infer_message(request_id: int, version_id: int, x: np.ndarray) -> bytes:
-    request = InferRequest(id=request_id, version_id=version_id, inputs=[tensor_of("x", x)])
-    return pack_frames([encode_frame(request, [x])])
 
 
 def loads(platform: FakePlatform, version_id: int) -> int:
@@ -208,10 +186,12 @@ def test_a_footprint_too_small_to_measure_is_not_checked() -> None:
 
 def test_an_unload_is_expected_to_free_no_more_than_the_artifact() -> None:
     # The first version of a runtime also measured the runtime's one-time setup, which stays.
-    first = Usage(measured_bytes=83 * MiB, artifact_bytes=10 * MiB)
+    first = VersionUsage(measured_bytes=83 * MiB, artifact_bytes=10 * MiB)
     assert first.releasable_bytes == 10 * MiB
-    assert Usage(measured_bytes=40 * MiB, artifact_bytes=36 * MiB).releasable_bytes == 36 * MiB
-    assert Usage(measured_bytes=2 * MiB, artifact_bytes=36 * MiB).releasable_bytes == 2 * MiB
+    larger = VersionUsage(measured_bytes=40 * MiB, artifact_bytes=36 * MiB)
+    assert larger.releasable_bytes == 36 * MiB
+    smaller = VersionUsage(measured_bytes=2 * MiB, artifact_bytes=36 * MiB)
+    assert smaller.releasable_bytes == 2 * MiB
 
 
 def test_the_default_budget_is_the_gpu_memory_else_a_share_of_what_is_available() -> None:
@@ -315,7 +295,7 @@ async def test_a_tiny_version_counts_at_least_its_artifact(
     tiny_model: TinyModel,
     make_spec: Callable[..., VersionSpec],
 ) -> None:
-    async with running(make_agent(platform.url, tmp_path, budget=64 * MiB)):
+    async with running(make_agent(platform.url, tmp_path, budget=64 * MiB), timeout=10):
         ws = await platform.next_connection()
         await ws.send(assign(make_spec()))
         ready = await platform.expect("status", state="ready", version_id=1)
@@ -331,12 +311,12 @@ async def test_a_version_that_does_not_fit_evicts_the_least_recently_used_cold_o
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         ready_a = await platform.expect("status", state="ready", version_id=A)
         assert len(big_model.data) <= ready_a["memory_bytes"] <= budget
-        await ws.send(infer_message(1, A, np.ones((1, WIDTH), np.float32)))
+        await ws.send(infer_message(1, np.ones((1, WIDTH), np.float32), version_id=A))
         header, _ = decode_frame(await platform.next_frame())
         assert isinstance(header, InferResult)
         (load_a,) = agent.heartbeat().versions
@@ -361,7 +341,7 @@ async def test_a_version_that_does_not_fit_evicts_the_least_recently_used_cold_o
         again = await platform.expect("status", state="evicted", version_id=A)
         await platform.expect("status", state="ready", version_id=B)
         assert again["detail"] == evicted["detail"] and loads(platform, A) == 1
-        assert list(agent.versions) == [B]
+        assert list(agent.versions.loaded) == [B]
 
 
 @pytest.mark.anyio
@@ -372,7 +352,7 @@ async def test_an_evicted_version_that_left_and_came_back_is_loaded_again(
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         await platform.expect("status", state="ready", version_id=A)
@@ -381,13 +361,13 @@ async def test_an_evicted_version_that_left_and_came_back_is_loaded_again(
 
         await ws.send(assign(big_spec(B)))
         await platform.expect("status", state="ready", version_id=B)
-        assert agent.evicted == {}
+        assert agent.versions.evicted == {}
         await ws.send(assign(big_spec(A), big_spec(B)))
         evicted = await platform.expect("status", state="evicted", version_id=B)
         await platform.expect("status", state="ready", version_id=A)
         freed, expected = freed_mib(evicted["detail"])
         assert freed >= expected / 2
-        assert loads(platform, A) == 2 and list(agent.versions) == [A]
+        assert loads(platform, A) == 2 and list(agent.versions.loaded) == [A]
         assert agent.heartbeat().evicted == [B]
 
 
@@ -400,18 +380,20 @@ async def test_a_recently_used_version_is_not_evicted_and_the_new_one_does_not_f
     budget: int,
 ) -> None:
     platform = big_platform
-    async with running(make_agent(platform.url, tmp_path, budget, cold_after_s=3600)) as agent:
+    async with running(
+        make_agent(platform.url, tmp_path, budget, cold_after_s=3600), timeout=10
+    ) as agent:
         ws = await platform.next_connection()
         await ws.send(assign(big_spec(A)))
         await platform.expect("status", state="ready", version_id=A)
         await ws.send(assign(big_spec(A), big_spec(B)))
         failed = await platform.expect("status", state="failed", version_id=B)
-        used = agent.memory_used()
+        used = agent.versions.memory_used()
         assert failed["detail"] == (
             f"does not fit: needs {mib(2 * len(big_model.data))}, {mib(budget - used)} free of "
             f"{mib(budget)}, no cold version to evict"
         )
-        assert list(agent.versions) == [A] and agent.evicted == {}
+        assert list(agent.versions.loaded) == [A] and agent.versions.evicted == {}
 
         # A reconnect re-assigns the same set: B is reported failed again, not retried.
         await ws.close(1011, "platform restarting")
@@ -430,7 +412,7 @@ def blocking_version(spec: VersionSpec, gate: threading.Event, footprint: int) -
         return [inputs["x"][:, :2]]
 
     runtime = FunctionRuntime(run, ["x"], ["y"])
-    usage = Usage(memory_bytes=footprint, measured_bytes=footprint, artifact_bytes=footprint)
+    usage = VersionUsage(memory_bytes=footprint, measured_bytes=footprint, artifact_bytes=footprint)
     return Loaded(spec, runtime, Batcher(runtime, inline=False), usage)
 
 
@@ -445,12 +427,12 @@ async def test_a_version_with_a_request_in_flight_is_not_evicted(
     platform, gate = big_platform, threading.Event()
     small = make_spec()
     try:
-        async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+        async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
             ws = await platform.next_connection()
-            agent.versions[1] = blocking_version(small, gate, budget // 2)
-            await ws.send(infer_message(1, 1, np.zeros((1, 4), np.float32)))
+            agent.versions.loaded[1] = blocking_version(small, gate, budget // 2)
+            await ws.send(infer_message(1, np.zeros((1, 4), np.float32)))
             async with asyncio.timeout(5):
-                while agent.versions[1].in_flight == 0:
+                while agent.versions.loaded[1].in_flight == 0:
                     await asyncio.sleep(0.01)
             await ws.send(assign(small, big_spec(B)))
             failed = await platform.expect("status", state="failed", version_id=B)
@@ -469,10 +451,10 @@ async def test_a_version_larger_than_the_whole_budget_evicts_nothing(
     tmp_path: Path, make_spec: Callable[..., VersionSpec]
 ) -> None:
     agent = make_agent("http://platform.test", tmp_path, budget=10 * MiB)
-    agent.versions[1] = blocking_version(make_spec(), threading.Event(), 4 * MiB)
-    problem = await agent.make_room(2, 20 * MiB)
+    agent.versions.loaded[1] = blocking_version(make_spec(), threading.Event(), 4 * MiB)
+    problem = await agent.versions.make_room(2, 20 * MiB)
     assert problem == "does not fit: needs 20.0 MiB, more than the whole budget of 10.0 MiB"
-    assert list(agent.versions) == [1] and agent.evicted == {}
+    assert list(agent.versions.loaded) == [1] and agent.versions.evicted == {}
     await agent.shutdown()
     agent.cache.close()
 
@@ -490,9 +472,9 @@ async def test_an_eviction_whose_memory_does_not_come_back_stops_the_load(
     gate.set()
     small = make_spec()
     release_memory()  # garbage of earlier tests must not be counted as freed by the eviction
-    async with running(make_agent(platform.url, tmp_path, budget)) as agent:
+    async with running(make_agent(platform.url, tmp_path, budget), timeout=10) as agent:
         ws = await platform.next_connection()
-        agent.versions[1] = blocking_version(small, gate, 64 * MiB)
+        agent.versions.loaded[1] = blocking_version(small, gate, 64 * MiB)
         await ws.send(assign(small, big_spec(B)))
         evicted = await platform.expect("status", state="evicted", version_id=1)
         failed = await platform.expect("status", state="failed", version_id=B)
@@ -501,4 +483,4 @@ async def test_an_eviction_whose_memory_does_not_come_back_stops_the_load(
             r"memory not released: evicting v1 freed -?[\d.]+ MiB of the 64.0 MiB expected",
             failed["detail"],
         )
-        assert agent.versions == {} and agent.heartbeat().evicted == [1]
+        assert agent.versions.loaded == {} and agent.heartbeat().evicted == [1]

@@ -1,0 +1,244 @@
+"""Request serving: one binary frame from the platform in, its reply frames out. Infer requests
+run through their version's batcher, generate requests join its engine's streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ._exceptions import AgentError, BadInput, NotLoaded
+from ._signature import check_inputs
+from ._versions import Loaded, LoadedTextGen
+from .protocol import (
+    CancelGenerate,
+    GenerateRequest,
+    InferRequest,
+    InferResult,
+    decode_frame,
+    encode_frame,
+    error_frame,
+    tensor_of,
+)
+
+if TYPE_CHECKING:
+    from ._generate import Engine, SendFrames  # imports torch; loaded only for textgen versions
+
+logger = logging.getLogger(__name__)
+
+LATENCY_WINDOW = 1024
+
+
+class FrameSender(Protocol):
+    """Where replies go: the agent's ``Connection``, or a recorder in tests."""
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        """Send reply frames on the open connection (dropped while there is none)."""
+
+    def stream_sender(self) -> SendFrames:
+        """Sends a generation stream's frames on the open connection, never on a later one."""
+
+
+def peek_request_id(frame: bytes) -> int | None:
+    """The id of an infer frame whose header parses even though its tensors do not."""
+    try:
+        (head_len,) = struct.unpack_from("!I", frame)
+        head = json.loads(frame[4 : 4 + head_len])
+    except (struct.error, ValueError):
+        return None
+    if not isinstance(head, dict) or head.get("type") != "infer":
+        return None
+    request_id = head.get("id")
+    return request_id if isinstance(request_id, int) else None
+
+
+class Stats:
+    """Request counters, a window of recent latencies (frame received -> reply sent), and the
+    time requests spent in the agent since the last heartbeat."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.requests_total = 0
+        self.errors_total = 0
+        self.in_flight = 0
+        self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._clock = clock
+        self._busy_s = 0.0
+        self._window_start = clock()
+
+    def record(self, seconds: float, ok: bool) -> None:
+        self.requests_total += 1
+        self.errors_total += not ok
+        self.latencies.append(seconds)
+        self._busy_s += seconds
+
+    def load_avg(self) -> float:
+        """Requests in the agent (queued or running) on average since the last call: by
+        Little's law, the time they spent here over the time that passed. A fast model's queue
+        is almost always empty at the instant a heartbeat looks; this is not."""
+        now = self._clock()
+        elapsed, busy = now - self._window_start, self._busy_s
+        self._window_start, self._busy_s = now, 0.0
+        return busy / elapsed if elapsed > 0 else 0.0
+
+    def percentiles_ms(self) -> tuple[float, float]:
+        if not self.latencies:
+            return 0.0, 0.0
+        p50, p99 = np.percentile(np.fromiter(self.latencies, float), [50, 99]) * 1000
+        return float(p50), float(p99)
+
+
+class Serving:
+    """Serves the platform's frames on the versions loaded now; every request id gets exactly
+    one reply (a result, an error, or a stream that ends with done or an error).
+
+    It reads the loaded versions and counts their use, but never loads or unloads one: that is
+    the version set's job.
+    """
+
+    def __init__(self, loaded: Mapping[int, Loaded | LoadedTextGen], sender: FrameSender) -> None:
+        self.loaded = loaded
+        self.sender = sender
+        self.stats = Stats()
+        self._requests: set[asyncio.Task[None]] = set()
+
+    def handle_frame(self, frame: bytes) -> None:
+        """Start serving one binary frame; every request id gets exactly one reply."""
+        received = time.perf_counter()
+        try:
+            header, arrays = decode_frame(frame)
+        except ValueError as exc:
+            request_id = peek_request_id(frame)
+            if request_id is None:
+                logger.warning("ignoring undecodable frame: %s", exc)
+                return
+            self._track(self.reply(error_reply(request_id, BadInput(str(exc))), received, False))
+            return
+        if isinstance(header, InferRequest):
+            self._track(self.serve_request(header, arrays, received))
+        elif isinstance(header, GenerateRequest):
+            self.start_generation(header, received)
+        elif isinstance(header, CancelGenerate):
+            for engine in self.engines():
+                engine.cancel(header.id)
+        else:
+            logger.warning("ignoring %s frame from the platform", type(header).__name__)
+
+    def start_generation(self, request: GenerateRequest, received: float) -> None:
+        """Hand a stream to its version's engine, or answer with the error it gets."""
+        loaded = self.loaded.get(request.version_id)
+        try:
+            if loaded is None:
+                raise NotLoaded(f"version {request.version_id} is not ready on this agent")
+            if not isinstance(loaded, LoadedTextGen):
+                raise BadInput(f"version {request.version_id} does not generate text")
+            loaded.engine.submit(request, self.sender.stream_sender(), received)
+            loaded.usage.requests_total += 1  # the engine's streams count what is in flight
+            loaded.usage.last_used = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - every request id gets a reply
+            self._track(self.sender.send_frames([error_reply(request.id, exc)]))
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._requests.add(task)  # cancelled when the connection drops
+        task.add_done_callback(self._requests.discard)
+
+    async def serve_request(
+        self, request: InferRequest, arrays: list[np.ndarray], received: float
+    ) -> None:
+        """Run one request and reply with its result or error frame."""
+        loaded = self.loaded.get(request.version_id)
+        usage = loaded.usage if loaded is not None else None
+        del loaded  # an eviction must not find the version still referenced here
+        if usage is not None:
+            usage.started()
+        self.stats.in_flight += 1
+        try:
+            try:
+                names, outputs, queue_s, compute_s = await self.infer(request, arrays)
+                reply = result_frame(request.id, names, outputs, queue_s, compute_s)
+            except Exception as exc:  # noqa: BLE001 - every request id gets a reply
+                if request.trace:  # follow one request end to end: the platform's span
+                    logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
+                await self.reply(error_reply(request.id, exc), received, ok=False)
+            else:
+                await self.reply(reply, received, ok=True)
+        finally:
+            self.stats.in_flight -= 1
+            if usage is not None:
+                usage.finished()
+
+    async def reply(self, frame: bytes, received: float, ok: bool) -> None:
+        await self.sender.send_frames([frame])
+        self.stats.record(time.perf_counter() - received, ok)
+
+    async def infer(
+        self, request: InferRequest, arrays: list[np.ndarray]
+    ) -> tuple[list[str], list[np.ndarray], float, float]:
+        """The requested outputs (names and arrays, in the model's order) for one request, and
+        the seconds it waited for its batch and the seconds the batch's run took."""
+        loaded = self.loaded.get(request.version_id)
+        if loaded is None:
+            raise NotLoaded(f"version {request.version_id} is not ready on this agent")
+        if isinstance(loaded, LoadedTextGen):
+            raise BadInput(f"version {request.version_id} generates text: send generate frames")
+        inputs = {t.name: a for t, a in zip(request.inputs, arrays, strict=True)}
+        if len(inputs) != len(request.inputs):
+            raise BadInput("duplicate input names")
+        model_outputs = loaded.runtime.output_names
+        wanted = model_outputs if request.outputs is None else request.outputs
+        unknown = sorted(set(wanted) - set(model_outputs))
+        if unknown:
+            raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
+        check_inputs(loaded.spec.inputs, inputs)
+        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(inputs)
+        picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
+        return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
+
+    def engines(self) -> list[Engine]:
+        return [v.engine for v in self.loaded.values() if isinstance(v, LoadedTextGen)]
+
+    def drop_connection(self) -> None:
+        """The connection dropped: stop the work whose answers would go to it."""
+        for task in list(self._requests):
+            task.cancel()  # their replies have nowhere to go; the platform fails them
+        for engine in self.engines():
+            engine.cancel_all()  # nobody reads those streams any more; free their rows
+
+    async def shutdown(self) -> None:
+        """Cancel the requests still running and wait for them to end."""
+        for task in list(self._requests):
+            task.cancel()
+        await asyncio.gather(*self._requests, return_exceptions=True)
+
+
+def result_frame(
+    request_id: int,
+    names: list[str],
+    outputs: list[np.ndarray],
+    queue_s: float = 0.0,
+    compute_s: float = 0.0,
+) -> bytes:
+    tensors = [tensor_of(n, a) for n, a in zip(names, outputs, strict=True)]
+    header = InferResult(
+        id=request_id,
+        outputs=tensors,
+        queue_ms=round(queue_s * 1000, 3),
+        compute_ms=round(compute_s * 1000, 3),
+    )
+    return encode_frame(header, outputs)
+
+
+def error_reply(request_id: int, exc: Exception) -> bytes:
+    """The error frame of a request that failed with ``exc``: an agent error's own code, else
+    ``internal`` (logged, as nothing expected it)."""
+    code = exc.code if isinstance(exc, AgentError) else "internal"
+    if code == "internal":
+        logger.warning("request %d failed: %r", request_id, exc)
+    return error_frame(request_id, code, str(exc) or type(exc).__name__)
