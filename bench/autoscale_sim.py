@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollouts.autoscale import ScalingPolicy, Signal, decide  # noqa: E402
+from fleet.autoscale import ScalingPolicy, Signal, decide  # noqa: E402
 
 
 def trace(seconds: int, seed: int) -> list[float]:

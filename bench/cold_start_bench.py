@@ -43,7 +43,7 @@ from tests.onnx_models import slow_onnx, small_onnx  # noqa: E402
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.1] * 4}]}
 DEPLOY = """
 from registry.models import Model
-from rollouts.models import Deployment, Pool
+from fleet.models import Deployment, Pool
 pool, _ = Pool.objects.get_or_create(name="local", defaults={{"backend": "local"}})
 version = Model.objects.get(name="{name}").versions.get(version=1)
 Deployment.objects.create(
@@ -53,8 +53,8 @@ Deployment.objects.create(
 """
 STAGES = """
 import json
-from gateway.models import AgentSession
-from rollouts.models import Deployment
+from fleet.models import AgentSession
+from fleet.models import Deployment
 d = Deployment.objects.get(version__model__name="{name}")
 up = d.decisions.filter(accepted=1, current=0).order_by("-created_at").first()
 s = AgentSession.objects.filter(deployment=d).order_by("-connected_at").first()
@@ -62,7 +62,7 @@ print(json.dumps({{"woken": d.woken_at.timestamp(), "scaled": up.created_at.time
                   "connected": s.connected_at.timestamp(), "desired": d.desired_replicas}}))
 """
 DESIRED = """
-from rollouts.models import Deployment
+from fleet.models import Deployment
 print(Deployment.objects.get(version__model__name="{name}").desired_replicas)
 """
 

@@ -82,14 +82,14 @@ if not logged.versions.exists():
 """
 # How many live agents hold the served version ready (each gateway must serve from its own).
 READY_AGENTS = """
-from gateway.models import AgentSession
+from fleet.models import AgentSession
 from registry.models import Alias
 served = Alias.objects.get(model__name='fraud-logged', name='production').version_id
 live = AgentSession.objects.filter(disconnected_at__isnull=True)
 print(sum(1 for ready in live.values_list('ready_versions', flat=True) if served in ready))
 """
 COUNT_LOGS = (
-    "from gateway.models import PredictionLog; "
+    "from monitoring.models import PredictionLog; "
     "print(PredictionLog.objects.filter(model__name='fraud-logged').count())"
 )
 

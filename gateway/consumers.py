@@ -16,6 +16,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from pydantic import ValidationError
 
+from fleet import assignments, nodes
 from platform_site.tokens import bearer
 from serving_agent.protocol import (
     CLOSE_BAD_MESSAGE,
@@ -32,7 +33,6 @@ from serving_agent.protocol import (
     unpack_frames,
 )
 
-from . import nodes
 from .dispatch import AgentLink, error_frame
 from .state import get_state
 
@@ -121,7 +121,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if node is None or not node.enabled:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        specs = await database_sync_to_async(nodes.assignment_for)(node, self.session_id)
+        specs = await database_sync_to_async(assignments.assignment_for)(node, self.session_id)
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
             heartbeat = settings.SWITCHYARD["AGENT_HEARTBEAT_S"]

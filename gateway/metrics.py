@@ -33,8 +33,8 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from fleet.nodes import live_sessions
 from registry.models import ModelVersion
-from rollouts.fleet import live_sessions
 from serving_agent.protocol import BATCH_SIZE_BOUNDS
 
 from .tracing import Trace

@@ -1,7 +1,7 @@
 """Per-process state of the data path: caches, the agent pool, the rate limiter.
 
 Keys, quotas and routes are cached in process so a warm request touches no database. A
-refresh loop polls the config generation (see ``gateway.changes``) and drops the caches when it
+refresh loop polls the config generation (see ``fleet.changes``) and drops the caches when it
 moves, pushes new assignments to the agents this process holds, learns where agents held by
 other processes are, and writes API-key last-used times in bulk.
 """
@@ -20,15 +20,14 @@ from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
+from fleet import coldstart, nodes
+from fleet.changes import read_generation
 from monitoring.traffic import TrafficCounter, save_samples
-from rollouts import fleet
 from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
 from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 
-from . import nodes
-from .changes import read_generation
 from .dispatch import AgentPool, DispatchError
 from .metrics import Observed, RequestMetrics
 from .predlog import PredictionLogger
@@ -152,7 +151,7 @@ class GatewayState:
                     COLD_RETRY_AFTER_S,
                 )
             if progress is not None and now >= next_report:
-                report = await database_sync_to_async(fleet.cold_start_progress)(version_id)
+                report = await database_sync_to_async(coldstart.cold_start_progress)(version_id)
                 await progress(report | {"elapsed_s": round(now - started, 1)})
                 next_report = now + 1.0
             await self._wake(version_id)
@@ -164,7 +163,7 @@ class GatewayState:
         now = time.monotonic()
         entry = self._woken.get(version_id)
         if entry is None or now - entry[0] >= WAKE_EVERY_S:
-            call = asyncio.ensure_future(database_sync_to_async(fleet.wake)(version_id))
+            call = asyncio.ensure_future(database_sync_to_async(coldstart.wake)(version_id))
             entry = (now, call)
             self._remember(self._woken, version_id, entry)
         try:
@@ -252,7 +251,7 @@ class GatewayState:
             return  # one process: every agent is local
         local = self.pool.local_channel_names()
         remote: dict[int, list[str]] = {}
-        for channel, ready in await database_sync_to_async(nodes.live_sessions)():
+        for channel, ready in await database_sync_to_async(nodes.agent_channels)():
             if channel not in local:
                 for vid in ready:
                     remote.setdefault(vid, []).append(channel)

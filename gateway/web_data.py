@@ -7,12 +7,13 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from fleet.deployments import deployments_of, replica_counts, tenant_agents
+from fleet.models import Deployment, ScalingDecision
 from monitoring.traffic import timeseries, versions_summary
 from registry.access import models_of
 from registry.models import Model
 from rollouts.arms import plan_arm_metrics, plan_arms
-from rollouts.deployments import deployments_of, replica_counts, tenant_agents
-from rollouts.models import ACTIVE_STATES, Deployment, PlanMode, RolloutPlan, ScalingDecision
+from rollouts.models import ACTIVE_STATES, PlanMode, RolloutPlan
 from rollouts.shadow import shadow_summary
 
 

@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "registry",
     "monitoring",
     "rollouts",
+    "fleet",
     "gateway",
 ]
 
@@ -138,7 +139,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Declared here, copied into the database by django-celery-beat, editable in the admin.
 CELERY_BEAT_SCHEDULE = {
     "mark-stale-agents-offline": {
-        "task": "gateway.tasks.mark_stale_agents_offline",
+        "task": "fleet.tasks.mark_stale_agents_offline",
         "schedule": 15.0,
     },
     "evaluate-rollouts": {
@@ -146,7 +147,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(env("SWITCHYARD_GUARDRAIL_INTERVAL_S", "5")),
     },
     "autoscale": {
-        "task": "rollouts.tasks.autoscale",
+        "task": "fleet.tasks.autoscale",
         "schedule": float(env("SWITCHYARD_AUTOSCALE_INTERVAL_S", "5")),
     },
     "detect-drift": {

@@ -6,7 +6,6 @@ from celery import shared_task
 
 from platform_site.errors import Conflict
 
-from .fleet import autoscale_all
 from .guardrails import evaluate
 from .models import PlanMode, PlanState, RolloutPlan
 
@@ -28,9 +27,3 @@ def evaluate_rollouts() -> dict[int, str]:
         if verdict.action not in ("wait", "hold"):
             log.info("plan %s: %s (%s)", plan.pk, verdict.action, verdict.reason)
     return done
-
-
-@shared_task
-def autoscale(deployment_id: int | None = None) -> dict[int, str]:
-    """One control-loop pass: every deployment (beat), or one a cold start just woke."""
-    return autoscale_all(deployment_id)

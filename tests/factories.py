@@ -39,7 +39,7 @@ def make_version(model: Model, artifact: bytes, alias: str | None = "production"
 
 def make_session(node, deployment_name: str = "", budget_bytes: int = 0, channel: str = ""):
     """A live agent connection of ``node``, as the consumer records it after the hello."""
-    from gateway.nodes import open_session
+    from fleet.nodes import open_session
     from serving_agent.protocol import Hello
 
     hello = Hello(

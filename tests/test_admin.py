@@ -5,8 +5,8 @@ import re
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from gateway.models import Node
-from gateway.nodes import authenticate_node
+from fleet.models import Node
+from fleet.nodes import authenticate_node
 from registry.models import ModelVersion
 from tenants.keys import identify_key
 from tenants.models import ApiKey, AuditEvent
@@ -66,7 +66,7 @@ def test_audit_and_approvals_are_read_only_in_the_admin(admin_client, db):
 
 def test_creating_a_node_in_the_admin_shows_its_token_once(admin_client, db):
     response = admin_client.post(
-        "/admin/gateway/node/add/", {"name": "gpu-1", "enabled": "on"}, follow=True
+        "/admin/fleet/node/add/", {"name": "gpu-1", "enabled": "on"}, follow=True
     )
     token = shown_secret(response, "syn")
     assert authenticate_node(token) == Node.objects.get(name="gpu-1")

@@ -2,7 +2,8 @@
 
 import hashlib
 
-from gateway.nodes import assignment_for, create_node
+from fleet.assignments import assignment_for
+from fleet.nodes import create_node
 from tests.factories import make_model, make_session, make_tenant, make_version
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollouts.autoscale import ScalingPolicy, Signal, decide
+from fleet.autoscale import ScalingPolicy, Signal, decide
 
 POLICY = ScalingPolicy(
     min_replicas=0,

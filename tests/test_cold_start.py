@@ -13,9 +13,9 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import HttpCommunicator
 
+from fleet.models import Deployment, Pool
 from gateway.oip import oip_app
 from gateway.state import GatewayState
-from rollouts.models import Deployment, Pool
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 from tests.test_generation import FakeAgent, frames_until_end, make_textgen, socket
@@ -103,10 +103,10 @@ def test_waking_is_not_repeated_for_every_held_request(world, state, monkeypatch
     version = make_version(make_model(world.a, "clf"), small_onnx())
     deploy(world, version)
     calls = []
-    from rollouts import fleet
+    from fleet import coldstart
 
-    real_wake = fleet.wake
-    monkeypatch.setattr(fleet, "wake", lambda vid: calls.append(vid) or real_wake(vid))
+    real_wake = coldstart.wake
+    monkeypatch.setattr(coldstart, "wake", lambda vid: calls.append(vid) or real_wake(vid))
 
     async def scenario():
         await asyncio.gather(*(state.ready(version.pk) for _ in range(5)), return_exceptions=True)

@@ -2,10 +2,9 @@
 
 from django.core.management import call_command
 
-from gateway.models import Node
-from gateway.nodes import assignment_for
+from fleet.assignments import assignment_for
+from fleet.models import Deployment, Node
 from registry.models import Model
-from rollouts.models import Deployment
 from tests.factories import make_session
 
 

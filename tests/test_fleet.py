@@ -11,13 +11,13 @@ import pytest
 from django.utils import timezone
 from kubernetes import client
 
-from gateway.models import AgentSession
-from gateway.nodes import assignment_for, create_node, record_heartbeat, scope_versions
-from rollouts import fleet
-from rollouts.cluster import ClusterError
-from rollouts.cluster.kubernetes import KubernetesBackend
-from rollouts.models import Deployment, Isolation, Pool, ScalingDecision
-from rollouts.placement import Candidate, Item, place
+from fleet import assignments, autoscaler, coldstart
+from fleet.assignments import assignment_for, scope_versions
+from fleet.cluster import ClusterError
+from fleet.cluster.kubernetes import KubernetesBackend
+from fleet.models import AgentSession, Deployment, Isolation, Pool, ScalingDecision
+from fleet.nodes import create_node, record_heartbeat
+from fleet.placement import Candidate, Item, place
 from tenants.models import Quota
 from tests.factories import make_model, make_session, make_version
 from tests.kube_fake import FakeKube, FakeKubeServer
@@ -127,8 +127,8 @@ def test_a_replica_naming_an_unknown_deployment_or_another_tenants_serves_nothin
 
 def test_hand_run_nodes_with_small_budgets_split_the_versions_by_memory(world, onnx_bytes):
     versions = [make_version(make_model(world.a, f"m{i}"), onnx_bytes) for i in range(3)]
-    need = fleet.need_of(versions[0], {})
-    assert need == versions[0].artifact.size * fleet.ESTIMATE_FACTOR
+    need = assignments.need_of(versions[0], {})
+    assert need == versions[0].artifact.size * assignments.ESTIMATE_FACTOR
     nodes = [create_node(f"box-{i}")[0] for i in range(2)]
     # Each agent has room for two versions: three versions need both agents.
     sessions = [make_session(n, budget_bytes=2 * need + 1) for n in nodes]
@@ -174,7 +174,7 @@ def test_the_control_loop_rises_under_load_holds_then_scales_to_zero(deployed, b
             AgentSession.objects.filter(pk=replicas.pop().pk).update(disconnected_at=timezone.now())
         for session in replicas:
             beat(session, load // max(len(replicas), 1), 0, served)
-        return fleet.autoscale_deployment(deployment, backend, t0 + timedelta(seconds=at_s))
+        return autoscaler.autoscale_deployment(deployment, backend, t0 + timedelta(seconds=at_s))
 
     # Idle at first: nothing to run, nothing started.
     assert step(0, 0, 0).desired == 0
@@ -207,14 +207,14 @@ def test_the_template_is_applied_once_with_what_the_replica_needs(deployed, back
     deployment.isolation = Isolation.DEDICATED
     deployment.gpus = 1
     deployment.save()
-    fleet.autoscale_deployment(deployment, backend)
-    fleet.autoscale_deployment(deployment, backend)
+    autoscaler.autoscale_deployment(deployment, backend)
+    autoscaler.autoscale_deployment(deployment, backend)
     applied = kube.deployments[(NS, deployment.cluster_name)]
     pod = applied["spec"]["template"]["spec"]
     env = pod["containers"][0]["env"]
     assert {"name": "SWITCHYARD_DEPLOYMENT", "value": deployment.cluster_name} in env
     assert pod["nodeSelector"]["switchyard.io/tenant"] == "alpha"
-    assert pod["tolerations"][-1]["key"] == fleet.DEDICATED_TAINT
+    assert pod["tolerations"][-1]["key"] == autoscaler.DEDICATED_TAINT
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     creates = [r for r in kube.writes() if r.method == "POST"]
     assert len(creates) == 1  # the second pass saw the same template and skipped it
@@ -230,7 +230,7 @@ def test_the_tenant_quota_caps_shared_deployments(deployed, backend, world, onnx
     node, _ = create_node("pool-q")
     session = make_session(node, deployment.cluster_name)
     beat(session, 40, 0, 100)
-    decision = fleet.autoscale_deployment(deployment, backend)
+    decision = autoscaler.autoscale_deployment(deployment, backend)
     assert decision.desired == 1 and "quota of 3" in decision.reason
 
 
@@ -239,7 +239,7 @@ def test_an_unreachable_cluster_is_recorded_and_changes_nothing(deployed, backen
     Deployment.objects.filter(pk=deployment.pk).update(woken_at=timezone.now())
     deployment.refresh_from_db()
     kube.fail("POST", "/deployments", 500, times=10)
-    decision = fleet.autoscale_deployment(deployment, backend)
+    decision = autoscaler.autoscale_deployment(deployment, backend)
     deployment.refresh_from_db()
     assert decision.accepted is None and "template" in decision.error
     assert deployment.desired_replicas == 0 and deployment.applied_template == ""
@@ -251,8 +251,8 @@ def test_a_pool_without_a_reachable_cluster_still_records_decisions(deployed, mo
     def unreachable(pool):
         raise ClusterError("cannot reach Kubernetes: no kubeconfig")
 
-    monkeypatch.setattr(fleet, "backend_for", unreachable)
-    done = fleet.autoscale_all()
+    monkeypatch.setattr(autoscaler, "backend_for", unreachable)
+    done = autoscaler.autoscale_all()
     decision = ScalingDecision.objects.get(deployment=deployment)
     assert done == {deployment.pk: decision.reason}
     assert decision.error == "no cluster backend for this pool"
@@ -260,34 +260,36 @@ def test_a_pool_without_a_reachable_cluster_still_records_decisions(deployed, mo
 
 def test_cold_start_wakes_the_deployment_and_reports_progress(deployed):
     _, scaled, deployment = deployed
-    assert fleet.cold_start_progress(scaled.pk)["stage"] == "scaling up"
-    assert fleet.wake(scaled.pk) is True
+    assert coldstart.cold_start_progress(scaled.pk)["stage"] == "scaling up"
+    assert coldstart.wake(scaled.pk) is True
     deployment.refresh_from_db()
     assert deployment.woken_at is not None
     Deployment.objects.filter(pk=deployment.pk).update(desired_replicas=1)
-    assert fleet.cold_start_progress(scaled.pk)["stage"] == "starting a replica"
+    assert coldstart.cold_start_progress(scaled.pk)["stage"] == "starting a replica"
     node, _ = create_node("pool-c")
     make_session(node, deployment.cluster_name)
-    assert fleet.cold_start_progress(scaled.pk)["stage"] == "replica connected"
+    assert coldstart.cold_start_progress(scaled.pk)["stage"] == "replica connected"
     served, _, _ = deployed
-    assert fleet.wake(served.pk) is False  # no deployment: nothing to start
+    assert coldstart.wake(served.pk) is False  # no deployment: nothing to start
 
 
 def test_a_local_pool_gets_a_node_token_file_only_this_user_reads(db, settings, tmp_path):
-    from gateway.nodes import authenticate_node
-    from rollouts.cluster.local import LocalBackend
+    from fleet.cluster.local import LocalBackend
+    from fleet.nodes import authenticate_node
 
     settings.LOCAL_AGENTS_DIR = tmp_path
     pool = Pool.objects.create(name="local", backend="local")
-    backend = fleet.backend_for(pool)
+    backend = autoscaler.backend_for(pool)
     assert isinstance(backend, LocalBackend)
-    path = fleet.ensure_pool_token(pool)
+    path = autoscaler.ensure_pool_token(pool)
     assert path.stat().st_mode & 0o777 == 0o600
     node = authenticate_node(path.read_text())
     assert node is not None and node.name == "pool-local" and node.tenant is None
-    assert fleet.ensure_pool_token(pool) == path and authenticate_node(path.read_text()) == node
+    assert (
+        autoscaler.ensure_pool_token(pool) == path and authenticate_node(path.read_text()) == node
+    )
     path.unlink()  # lost: a new token replaces the old one
-    fleet.ensure_pool_token(pool)
+    autoscaler.ensure_pool_token(pool)
     assert authenticate_node(path.read_text()) == node
 
 
@@ -295,21 +297,21 @@ def test_a_template_gone_from_the_cluster_is_applied_again(deployed, backend, ku
     _, _, deployment = deployed
     Deployment.objects.filter(pk=deployment.pk).update(woken_at=timezone.now())
     deployment.refresh_from_db()
-    assert fleet.autoscale_deployment(deployment, backend).accepted == 1
+    assert autoscaler.autoscale_deployment(deployment, backend).accepted == 1
     del kube.deployments[(NS, deployment.cluster_name)]  # deleted by hand
     node, _ = create_node("pool-g")
     beat(make_session(node, deployment.cluster_name), 12, 0, 30)
     deployment.refresh_from_db()
-    lost = fleet.autoscale_deployment(deployment, backend)
+    lost = autoscaler.autoscale_deployment(deployment, backend)
     assert lost.accepted is None and "does not exist" in lost.error
     deployment.refresh_from_db()
     assert deployment.applied_template == ""
-    again = fleet.autoscale_deployment(deployment, backend)
+    again = autoscaler.autoscale_deployment(deployment, backend)
     assert again.accepted == again.desired and kube.replicas(deployment.cluster_name, NS) >= 1
 
 
 def test_a_new_deployment_moves_the_config_generation(world, onnx_bytes):
-    from gateway.changes import read_generation
+    from fleet.changes import read_generation
 
     version = make_version(make_model(world.a, "gen"), onnx_bytes)
     pool = Pool.objects.create(name="p", backend="local")
@@ -328,6 +330,6 @@ def test_the_load_averaged_over_the_heartbeat_counts_when_the_instant_misses_it(
     # A fast model: nothing queued or running at the heartbeat's instant, 10 on average.
     stats = {"queue_depth": 0, "in_flight": 0, "load_avg": 10.0, "requests_total": 5000}
     record_heartbeat(session.pk, node.pk, stats)
-    decision = fleet.autoscale_deployment(deployment, backend)
+    decision = autoscaler.autoscale_deployment(deployment, backend)
     assert decision.inputs["in_flight"] == 10.0
     assert decision.desired == 3  # 10 at 4 per replica

@@ -10,10 +10,9 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gateway.models import AgentSession
-from gateway.nodes import create_node
-from rollouts.deployments import update_deployment
-from rollouts.models import Deployment, Pool, ScalingDecision
+from fleet.deployments import update_deployment
+from fleet.models import AgentSession, Deployment, Pool, ScalingDecision
+from fleet.nodes import create_node
 from tenants.audit import SYSTEM
 from tenants.models import AuditEvent
 from tests.factories import make_model, make_session, make_version
@@ -377,7 +376,7 @@ def test_deleting_an_applied_deployment_removes_its_agent_template_after_the_com
         def delete(self, name: str) -> None:
             deleted.append(name)
 
-    monkeypatch.setattr("rollouts.deployments.backend_for", lambda pool: Backend())
+    monkeypatch.setattr("fleet.deployments.backend_for", lambda pool: Backend())
     created = deploy(fleet.client_a).json()
     Deployment.objects.filter(pk=created["id"]).update(applied_template="abc")
     with django_capture_on_commit_callbacks(execute=True):

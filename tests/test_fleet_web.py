@@ -11,9 +11,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from gateway.models import AgentSession
-from gateway.nodes import create_node
-from rollouts.models import Deployment, Pool, ScalingDecision
+from fleet.models import AgentSession, Deployment, Pool, ScalingDecision
+from fleet.nodes import create_node
 from tenants.models import AuditEvent
 from tests.factories import make_model, make_session, make_version
 
@@ -135,39 +134,35 @@ def admin_client(client, django_user_model):
 
 
 def test_the_admin_lists_agent_sessions_with_health_load_memory_and_gpus(site, admin_client):
-    page = admin_client.get("/admin/gateway/agentsession/").content.decode()
+    page = admin_client.get("/admin/fleet/agentsession/").content.decode()
     assert site.dep_a.cluster_name in page and "– (run by hand)" in page
     assert "healthy (" in page and "1,024 / 71,680" in page
     assert "0: 64 %, 8,192/81,920 MiB" in page and "no GPU" in page
-    change = admin_client.get(f"/admin/gateway/agentsession/{site.replica.pk}/change/")
+    change = admin_client.get(f"/admin/fleet/agentsession/{site.replica.pk}/change/")
     assert change.status_code == 200 and 'name="_save"' not in change.content.decode()
 
 
 def test_the_admin_lists_deployments_with_desired_and_live_replicas(site, admin_client):
-    response = admin_client.get("/admin/rollouts/deployment/")
+    response = admin_client.get("/admin/fleet/deployment/")
     assert response.status_code == 200
     rows = {d.pk: d.live for d in response.context["cl"].result_list}
     assert rows == {site.dep_a.pk: 1, site.dep_b.pk: 0}
-    assert (
-        admin_client.get(f"/admin/rollouts/deployment/{site.dep_a.pk}/change/").status_code == 200
-    )
-    assert admin_client.get("/admin/rollouts/scalingdecision/").status_code == 200
-    assert admin_client.get("/admin/rollouts/pool/").status_code == 200
+    assert admin_client.get(f"/admin/fleet/deployment/{site.dep_a.pk}/change/").status_code == 200
+    assert admin_client.get("/admin/fleet/scalingdecision/").status_code == 200
+    assert admin_client.get("/admin/fleet/pool/").status_code == 200
 
 
 def test_the_admin_refuses_to_delete_a_deployment_with_replicas(site, admin_client):
-    assert (
-        admin_client.get(f"/admin/rollouts/deployment/{site.dep_a.pk}/delete/").status_code == 403
-    )
+    assert admin_client.get(f"/admin/fleet/deployment/{site.dep_a.pk}/delete/").status_code == 403
     response = admin_client.post(
-        f"/admin/rollouts/deployment/{site.dep_b.pk}/delete/", {"post": "yes"}
+        f"/admin/fleet/deployment/{site.dep_b.pk}/delete/", {"post": "yes"}
     )
     assert response.status_code == 302 and not Deployment.objects.filter(pk=site.dep_b.pk).exists()
     assert AuditEvent.objects.get(action="deployment.delete").actor_label == "root"
 
 
 def test_an_admin_change_is_audited_and_keeps_the_autoscalers_fields(site, admin_client):
-    url = f"/admin/rollouts/deployment/{site.dep_a.pk}/change/"
+    url = f"/admin/fleet/deployment/{site.dep_a.pk}/change/"
     form = {
         "min_replicas": 1,
         "max_replicas": 8,

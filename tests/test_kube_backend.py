@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from rollouts.cluster import AgentTemplate, ClusterError, NotFound
-from rollouts.cluster.kubernetes import KubernetesBackend, agent_deployment
+from fleet.cluster import AgentTemplate, ClusterError, NotFound
+from fleet.cluster.kubernetes import KubernetesBackend, agent_deployment
 from tests.kube_fake import FakeKube, FakeKubeServer
 
 NS = "ml"

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from rollouts.cluster import AgentTemplate, ClusterError, NotFound
-from rollouts.cluster.local import LocalBackend
+from fleet.cluster import AgentTemplate, ClusterError, NotFound
+from fleet.cluster.local import LocalBackend
 
 PLATFORM = "http://127.0.0.1:9"  # the discard port: connections are refused
 NAME = "sy-agent-7-v1"
@@ -272,7 +272,7 @@ def test_another_process_sees_the_fleet_and_can_stop_it(
     command line tell it apart."""
     backend.apply(make_template(replicas=1))
     script = (
-        "import sys; from pathlib import Path; from rollouts.cluster.local import LocalBackend\n"
+        "import sys; from pathlib import Path; from fleet.cluster.local import LocalBackend\n"
         "b = LocalBackend(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))\n"
         "print(b.replicas(sys.argv[4])); b.scale(sys.argv[4], 0); print(b.replicas(sys.argv[4]))"
     )

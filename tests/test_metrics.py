@@ -120,7 +120,7 @@ def test_stage_times_split_the_dispatch_with_the_agents_report():
 
 @pytest.mark.django_db
 def test_fleet_metrics_come_from_live_heartbeats(world, onnx_bytes):
-    from gateway.models import AgentSession, Node
+    from fleet.models import AgentSession, Node
 
     version = make_version(make_model(world.a, "fraud"), onnx_bytes)
     node = Node.objects.create(name="gpu-1", token_prefix="p1", token_hash="h")

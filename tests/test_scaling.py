@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from rollouts.autoscale import Decision
-from rollouts.cluster import AgentTemplate
-from rollouts.cluster.kubernetes import KubernetesBackend
-from rollouts.models import Deployment, Pool, ScalingDecision
-from rollouts.scaling import apply_decision, policy_of
+from fleet.autoscale import Decision
+from fleet.cluster import AgentTemplate
+from fleet.cluster.kubernetes import KubernetesBackend
+from fleet.models import Deployment, Pool, ScalingDecision
+from fleet.scaling import apply_decision, policy_of
 from tests.factories import make_model, make_version
 from tests.kube_fake import FakeKube, FakeKubeServer
 
@@ -89,9 +89,9 @@ def test_the_policy_comes_from_the_deployment(setup):
 def test_the_admin_shows_deployments_with_their_decisions_read_only(setup, admin_client):
     deployment, backend = setup
     apply_decision(deployment, decision(2), backend)
-    page = admin_client.get(f"/admin/rollouts/deployment/{deployment.pk}/change/")
+    page = admin_client.get(f"/admin/fleet/deployment/{deployment.pk}/change/")
     text = page.content.decode()
     assert page.status_code == 200 and "up: load → 2" in text
     assert 'name="desired_replicas"' not in text  # shown, never edited by hand
-    assert admin_client.get("/admin/rollouts/scalingdecision/").status_code == 200
-    assert admin_client.get("/admin/rollouts/scalingdecision/add/").status_code == 403
+    assert admin_client.get("/admin/fleet/scalingdecision/").status_code == 200
+    assert admin_client.get("/admin/fleet/scalingdecision/add/").status_code == 403

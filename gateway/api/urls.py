@@ -5,5 +5,4 @@ from . import views
 urlpatterns = [
     path("models/<str:name>/predict", views.PredictView.as_view()),
     path("models/<str:name>/versions/<int:version>/predict", views.PredictView.as_view()),
-    path("agent/artifacts/<int:version_id>", views.ArtifactView.as_view()),
 ]

@@ -9,18 +9,14 @@ from __future__ import annotations
 import inspect
 
 from django.core.exceptions import RequestDataTooBig
-from django.http import FileResponse, HttpResponse
+from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
-from rest_framework.exceptions import NotFound
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from platform_site.tokens import bearer
-from registry.models import ModelVersion
-
-from .. import nodes, pipeline, tracing
+from .. import pipeline, tracing
 from ..dispatch import in_background
 from ..metrics import Observed
 from ..pipeline import ApiError
@@ -142,26 +138,3 @@ class PredictView(AsyncPipelineView):
         if routed.arm is not None:
             body["arm"] = routed.arm
         return Response(body)
-
-
-class ArtifactView(APIView):
-    """Agents download the artifacts of versions assigned to their node (node token)."""
-
-    authentication_classes = []
-    permission_classes = [AllowAny]
-
-    @extend_schema(exclude=True)
-    def get(self, request, version_id: int):
-        node = nodes.authenticate_node(bearer(request.META.get("HTTP_AUTHORIZATION")))
-        if node is None:
-            return Response(
-                {"error": "invalid node token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
-            )
-        if not nodes.may_download(node, version_id):
-            raise NotFound("no such artifact for this node")
-        version = ModelVersion.objects.get(pk=version_id)
-        response = FileResponse(
-            version.artifact.open("rb"), content_type="application/octet-stream"
-        )
-        response["X-Artifact-Sha256"] = version.sha256
-        return response

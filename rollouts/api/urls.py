@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import fleet, views
+from . import views
 
 urlpatterns = [
     path("models/<str:name>/rollouts", views.PlanListView.as_view()),
@@ -17,9 +17,4 @@ urlpatterns = [
     path("approvals/<int:request_id>", views.ApprovalDetailView.as_view()),
     path("approvals/<int:request_id>/approve", views.ApproveView.as_view()),
     path("approvals/<int:request_id>/reject", views.RejectView.as_view()),
-    path("deployments", fleet.DeploymentListView.as_view()),
-    path("deployments/<int:deployment_id>", fleet.DeploymentDetailView.as_view()),
-    path("deployments/<int:deployment_id>/decisions", fleet.DecisionListView.as_view()),
-    path("pools", fleet.PoolListView.as_view()),
-    path("agents", fleet.AgentListView.as_view()),
 ]

@@ -30,7 +30,7 @@ HOLD_S = 25
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.1] * 4}]}
 SETUP = """
 from registry.models import Model
-from rollouts.models import Deployment, Pool
+from fleet.models import Deployment, Pool
 version = Model.objects.get(name="slow").versions.get(version=1)
 pool = Pool.objects.create(name="local", backend="local")
 d = Deployment.objects.create(
@@ -41,8 +41,8 @@ print(d.cluster_name)
 """
 REPLICAS = """
 import json
-from rollouts.fleet import live_sessions
-from rollouts.models import Deployment
+from fleet.nodes import live_sessions
+from fleet.models import Deployment
 d = Deployment.objects.get()
 rows = live_sessions().filter(deployment=d)
 print(json.dumps({"desired": d.desired_replicas, "replicas": [

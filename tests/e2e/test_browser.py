@@ -50,7 +50,7 @@ RECORDED_FLEET = """
 from datetime import timedelta
 from django.utils import timezone
 from registry.models import ModelVersion
-from rollouts.models import Deployment, Pool, ScalingDecision
+from fleet.models import Deployment, Pool, ScalingDecision
 version = ModelVersion.objects.get(model__name="fraud", version=2)
 pool = Pool.objects.create(name="gpu-a100", backend="kubernetes", namespace="ml")
 d = Deployment.objects.create(

@@ -32,7 +32,7 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
         # A session whose gateway died without closing it: the housekeeping task closes it.
         backend.shell(
             "from datetime import timedelta; from django.utils import timezone;"
-            "from gateway.models import AgentSession, Node;"
+            "from fleet.models import AgentSession, Node;"
             "n = Node.objects.create(name='ghost', token_prefix='x', token_hash='x');"
             "s = AgentSession.objects.create(node=n, channel_name='gone');"
             "AgentSession.objects.filter(pk=s.pk).update("
@@ -42,7 +42,7 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
 
         def closed() -> bool:
             out = backend.shell(
-                "from gateway.models import AgentSession;"
+                "from fleet.models import AgentSession;"
                 "print(AgentSession.objects.get(channel_name='gone').disconnected_at is not None)"
             )
             return out.strip() == "True"
@@ -50,7 +50,7 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
         wait_until(closed, 60, worker, interval=1.0)
         wait_until(
             lambda: (
-                "gateway.tasks.mark_stale_agents_offline"
+                "fleet.tasks.mark_stale_agents_offline"
                 in backend.shell(
                     "from django_celery_beat.models import PeriodicTask;"
                     "print(list(PeriodicTask.objects.values_list('task', flat=True)))"

@@ -28,7 +28,7 @@ def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name
             # Readiness probes through OIP would spend the tiny quota: ask the node registry.
             def both_ready() -> bool:
                 out = backend.shell(
-                    "from gateway.models import AgentSession as S;"
+                    "from fleet.models import AgentSession as S;"
                     "print(sorted(v for s in S.objects.filter(disconnected_at=None)"
                     " for v in s.ready_versions))"
                 )

@@ -25,7 +25,7 @@ MODEL = "writer"
 LONG = {"context": 1024, "n_layer": 2, "n_head": 2, "n_embd": 32}
 STATS = """
 import json
-from gateway.models import AgentSession
+from fleet.models import AgentSession
 session = AgentSession.objects.filter(disconnected_at__isnull=True).latest("pk")
 print(json.dumps(session.stats))
 """

@@ -14,12 +14,11 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from gateway.models import Node
-from gateway.nodes import create_node, rotate_node_token
+from fleet.models import ClusterKind, Deployment, Node, Pool
+from fleet.nodes import create_node, rotate_node_token
 from registry.demo import FEATURE_NAMES, train_fraud_model
 from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
-from rollouts.models import ClusterKind, Deployment, Pool
 from tenants.audit import user_actor
 from tenants.keys import create_api_key, identify_key
 from tenants.models import Membership, Quota, Role, Tenant

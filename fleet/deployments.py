@@ -1,7 +1,7 @@
 """Deployments as the API, the web UI and the admin change them: tenant-scoped lookups, audited
 create/update/delete, and the live agents that serve a tenant.
 
-The autoscaler owns ``desired_replicas`` and the activity fields (``rollouts.fleet``); callers
+The autoscaler owns ``desired_replicas`` and the activity fields (``fleet.autoscaler``); callers
 set only the settings below, and a deployment's version and pool never change (its cluster
 name carries them).
 """
@@ -19,14 +19,14 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from gateway.models import AgentSession
 from platform_site.errors import Conflict, NotFound
 from registry.models import ModelVersion
 from tenants.audit import Actor, audit
 
+from .autoscaler import backend_for
 from .cluster import ClusterError
-from .fleet import backend_for, live_sessions
-from .models import Deployment, Pool
+from .models import AgentSession, Deployment, Pool
+from .nodes import live_sessions
 
 log = logging.getLogger(__name__)
 

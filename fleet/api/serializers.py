@@ -1,38 +1,14 @@
-"""The fleet over the API: deployments (a version on a pool, scaled by the autoscaler), their
-scaling decisions, the pools, and the live agents that serve the caller's tenant. Serializers and
-thin views over ``rollouts.deployments``.
-"""
+"""DRF serializers of the fleet: deployments, scaling decisions, pools and agents."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from drf_spectacular.utils import extend_schema
-from rest_framework import serializers, status
-from rest_framework.parsers import JSONParser
-from rest_framework.response import Response
-from rest_framework.views import APIView
+from rest_framework import serializers
 
-from tenants.authentication import TenantRolePermission, actor_of
-
-from ..deployments import (
-    IDENTITY,
-    READ_ONLY,
-    SETTINGS,
-    create_deployment,
-    delete_deployment,
-    deployments_of,
-    get_deployment,
-    pool_named,
-    replica_counts,
-    tenant_agents,
-    update_deployment,
-    version_of,
-)
+from ..deployments import IDENTITY, READ_ONLY, SETTINGS, replica_counts
 from ..models import Deployment, Pool, ScalingDecision
-
-# Serializers ---------------------------------------------------------------------------------
 
 CPU = re.compile(r"^\d+(\.\d+)?m?$")
 MEMORY = re.compile(r"^\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
@@ -196,91 +172,3 @@ class AgentSerializer(serializers.Serializer):
     memory_used_bytes = serializers.IntegerField()
     memory_budget_bytes = serializers.IntegerField()
     gpus = GpuUseSerializer(many=True)
-
-
-# Views ---------------------------------------------------------------------------------------
-
-
-class DeploymentListView(APIView):
-    permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
-
-    @extend_schema(responses=DeploymentSerializer(many=True))
-    def get(self, request):
-        return Response(deployment_data(list(deployments_of(request.caller.tenant_id))))
-
-    @extend_schema(
-        request=DeploymentInputSerializer,
-        responses={201: DeploymentSerializer},
-        description="Deploy a version on a pool. 409 when it already has a deployment there.",
-    )
-    def post(self, request):
-        body = DeploymentInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        values = dict(body.validated_data)
-        version = version_of(request.caller.tenant_id, values.pop("model"), values.pop("version"))
-        pool = pool_named(values.pop("pool"))
-        deployment = create_deployment(version, pool, values, actor_of(request))
-        return Response(deployment_data([deployment])[0], status=status.HTTP_201_CREATED)
-
-
-class DeploymentDetailView(APIView):
-    permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
-
-    @extend_schema(responses=DeploymentSerializer)
-    def get(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
-        return Response(deployment_data([deployment])[0])
-
-    @extend_schema(request=DeploymentInputSerializer, responses=DeploymentSerializer)
-    def patch(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
-        body = DeploymentInputSerializer(data=request.data, partial=True)
-        body.is_valid(raise_exception=True)
-        updated = update_deployment(deployment, dict(body.validated_data), actor_of(request))
-        return Response(deployment_data([updated])[0])
-
-    @extend_schema(
-        responses={204: None},
-        description="409 while replicas run: set min_replicas to 0 and wait for scale to zero.",
-    )
-    def delete(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
-        delete_deployment(deployment, actor_of(request))
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-class DecisionListView(APIView):
-    """The autoscaler's decisions for one deployment, latest first, with what each saw."""
-
-    permission_classes = [TenantRolePermission]
-
-    @extend_schema(parameters=[DecisionFilter], responses=DecisionSerializer(many=True))
-    def get(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
-        where = DecisionFilter(data=request.query_params)
-        where.is_valid(raise_exception=True)
-        rows = deployment.decisions.order_by("-created_at", "-pk")[: where.validated_data["limit"]]
-        return Response(DecisionSerializer(rows, many=True).data)
-
-
-class PoolListView(APIView):
-    """Pools are the platform's: every tenant sees them all and deploys onto them by name."""
-
-    permission_classes = [TenantRolePermission]
-
-    @extend_schema(responses=PoolSerializer(many=True))
-    def get(self, request):
-        return Response(PoolSerializer(Pool.objects.order_by("name"), many=True).data)
-
-
-class AgentListView(APIView):
-    """Live agents serving the caller's tenant (see ``tenant_agents``)."""
-
-    permission_classes = [TenantRolePermission]
-
-    @extend_schema(responses=AgentSerializer(many=True))
-    def get(self, request):
-        agents = tenant_agents(request.caller.tenant_id)
-        return Response(AgentSerializer(agents, many=True).data)

@@ -3,7 +3,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from rollouts.cluster.local import LocalBackend
+from fleet.cluster.local import LocalBackend
 
 
 class Command(BaseCommand):

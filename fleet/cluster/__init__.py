@@ -1,6 +1,6 @@
 """Cluster backends for the autoscaler: one small interface (``base``) and its implementations.
 
-``rollouts.cluster.kubernetes`` is imported on its own so that this package stays light.
+``fleet.cluster.kubernetes`` is imported on its own so that this package stays light.
 """
 
 from .base import AgentTemplate, ClusterBackend, ClusterError, NotFound, ScaleResult

@@ -2,8 +2,8 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from gateway.models import Node
-from gateway.nodes import create_node
+from fleet.models import Node
+from fleet.nodes import create_node
 from tenants.models import Tenant
 
 

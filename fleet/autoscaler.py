@@ -1,16 +1,11 @@
-"""The fleet: which agent serves what, the autoscaler's control loop, and cold starts.
+"""The autoscaler's control loop (``autoscale_all``, a Celery beat task), and the cluster side
+of a deployment: its backend, its agent template and the pool's node token.
 
-- **Replicas** are agents a cluster backend started for one ``Deployment``; they name it in
-  their hello and serve its version only. The autoscaler counts them and reads their
-  heartbeats.
-- **Nodes run by hand** (a GPU box, a DaemonSet, the demo's agent) serve the versions that have
-  no deployment, placed on them by memory (``rollouts.placement``).
-- **The control loop** (``autoscale_all``, a Celery beat task): per deployment, one ``Signal``
-  from its replicas' heartbeats and the gateway's cold-start wakes, one decision over the
-  signals of the stabilisation window (``rollouts.autoscale.decide``), the tenant's replica
-  quota, then the backend; every decision is stored with its inputs.
-- **Cold start**: a request for a deployed version with no ready replica wakes it (``wake``):
-  the next decision sees the held request and starts a replica at once.
+Per deployment: one ``Signal`` from its replicas' heartbeats and the gateway's cold-start wakes
+(``fleet.coldstart``), one decision over the signals of the stabilisation window
+(``fleet.autoscale.decide``), the tenant's replica quota, then the backend; every decision is
+stored with its inputs. Replicas are agents a backend started for one deployment: they name it
+in their hello and serve its version only (``fleet.assignments``).
 """
 
 from __future__ import annotations
@@ -24,18 +19,15 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db.models import QuerySet, Sum
+from django.db.models import Sum
 from django.utils import timezone
 
-from gateway.models import AgentSession, Node
-from platform_site.jobs import send
-from registry.models import ModelVersion
 from tenants.models import Quota
 
 from .autoscale import Decision, Signal, decide
 from .cluster import AgentTemplate, ClusterBackend, ClusterError
-from .models import ClusterKind, Deployment, Isolation, Pool, ScalingDecision
-from .placement import Candidate, Item, place
+from .models import ClusterKind, Deployment, Isolation, Node, Pool, ScalingDecision
+from .nodes import create_node, live_sessions, rotate_node_token
 from .scaling import apply_decision, policy_of
 
 log = logging.getLogger(__name__)
@@ -43,82 +35,6 @@ log = logging.getLogger(__name__)
 TOKEN_SECRET = "switchyard-agent-token"  # the Secret agents' pods mount (deploy/README.md)
 TENANT_LABEL = "switchyard.io/tenant"
 DEDICATED_TAINT = "switchyard.io/dedicated"
-# A version's memory need before any agent measured it: its artifact's size times this, as
-# runtimes hold the weights plus working buffers.
-ESTIMATE_FACTOR = 2
-
-
-# Agents --------------------------------------------------------------------------------------
-
-
-def live_sessions() -> QuerySet[AgentSession]:
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
-    return AgentSession.objects.filter(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon)
-
-
-def deployed_version_ids() -> set[int]:
-    return set(Deployment.objects.values_list("version_id", flat=True))
-
-
-def find_deployment(name: str) -> Deployment | None:
-    """The deployment a replica names (its cluster name, ``sy-agent-<pk>-v<version>``)."""
-    prefix, _, rest = name.partition("sy-agent-")
-    pk = rest.split("-", 1)[0]
-    if prefix or not pk.isdigit():
-        return None
-    found = Deployment.objects.select_related("version__model", "pool").filter(pk=int(pk)).first()
-    return found if found is not None and found.cluster_name == name else None
-
-
-def measured_needs() -> dict[int, int]:
-    """Each version's largest footprint any live agent measured while loading it."""
-    needs: dict[int, int] = {}
-    for stats in live_sessions().values_list("stats", flat=True):
-        for load in (stats or {}).get("versions", []):
-            vid, size = load.get("version_id"), load.get("memory_bytes") or 0
-            if isinstance(vid, int) and size > needs.get(vid, 0):
-                needs[vid] = size
-    return needs
-
-
-def need_of(version: ModelVersion, measured: dict[int, int]) -> int:
-    if version.pk in measured:
-        return measured[version.pk]
-    try:
-        return version.artifact.size * ESTIMATE_FACTOR
-    except (OSError, ValueError):  # the file is missing: loading it will fail anyway
-        return 0
-
-
-def placed_versions(
-    session_id: int, scope_versions: dict[int | None, list[ModelVersion]]
-) -> list[int]:
-    """The versions placement gives this node-run-by-hand session, among every live one's.
-
-    ``scope_versions`` maps each node scope (a tenant id, None for all) to the undeployed
-    versions served in it.
-    """
-    by_hand = live_sessions().filter(deployment_name="")
-    sessions = (by_hand | AgentSession.objects.filter(pk=session_id)).select_related("node")
-    measured = measured_needs()
-    items: dict[int, Item] = {}
-    for versions in scope_versions.values():
-        for v in versions:
-            items[v.pk] = Item(v.pk, need_of(v, measured), v.model.tenant_id)
-    candidates = [
-        Candidate(
-            key=s.pk,
-            budget_bytes=s.memory_budget_bytes,
-            holds=frozenset(s.ready_versions),
-            evicted=frozenset((s.stats or {}).get("evicted", [])),
-            scope=s.node.tenant_id,
-        )
-        for s in sessions
-    ]
-    placement = place(items.values(), candidates)
-    if placement.unplaced:
-        log.warning("versions %s fit on no agent's memory budget", placement.unplaced)
-    return placement.assigned.get(session_id, [])
 
 
 # The control loop ----------------------------------------------------------------------------
@@ -132,8 +48,6 @@ def ensure_pool_token(pool: Pool) -> Path:
     node = Node.objects.filter(name=f"pool-{pool.name}").first()
     if node is not None and path.exists():
         return path
-    from gateway.nodes import create_node, rotate_node_token
-
     raw = rotate_node_token(node) if node else create_node(f"pool-{pool.name}")[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -361,48 +275,3 @@ def autoscale_all(deployment_id: int | None = None) -> dict[int, str]:
     cutoff = now - timedelta(hours=settings.SCALING_HISTORY_HOURS)
     ScalingDecision.objects.filter(created_at__lt=cutoff).delete()
     return done
-
-
-# Cold start ----------------------------------------------------------------------------------
-
-
-def wake(version_id: int) -> bool:
-    """A request is waiting for this version and no replica is ready: mark it, so the next
-    decision starts one, and run that decision now. False when no deployment serves the
-    version (nothing can be started for it)."""
-    woken = list(Deployment.objects.filter(version_id=version_id).values_list("pk", flat=True))
-    if not woken:
-        return False
-    Deployment.objects.filter(pk__in=woken).update(woken_at=timezone.now())
-    for pk in woken:
-        try:
-            send("rollouts.tasks.autoscale", kwargs={"deployment_id": pk}, expires=60)
-        except Exception as exc:  # the broker is down: beat's next tick still sees the wake
-            log.warning("could not queue an autoscale run for a cold start: %s", exc)
-    return True
-
-
-COLD_STAGES = [
-    ("scaling up", 0.1),
-    ("starting a replica", 0.3),
-    ("replica connected", 0.5),
-    ("loading the model", 0.7),
-]
-
-
-def cold_start_progress(version_id: int) -> dict:
-    """Where a cold start of this version stands, for a client told to wait."""
-    deployments = Deployment.objects.filter(version_id=version_id)
-    replicas = live_sessions().filter(deployment__in=deployments)
-    key = str(version_id)
-    states = [(s.version_states or {}).get(key, {}).get("state") for s in replicas]
-    if "loading" in states:
-        stage = 3
-    elif replicas:
-        stage = 2
-    elif deployments.filter(desired_replicas__gt=0).exists():
-        stage = 1
-    else:
-        stage = 0
-    name, progress = COLD_STAGES[stage]
-    return {"stage": name, "progress": progress}

@@ -1,0 +1,243 @@
+"""Admin for nodes (a new token is shown once), their agents' sessions, pools, deployments
+(changed through the same audited functions as the API) and the autoscaler's decisions."""
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib import admin, messages
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from tenants.audit import user_actor
+
+from .deployments import (
+    SETTINGS,
+    create_deployment,
+    delete_deployment,
+    heartbeat_health,
+    update_deployment,
+)
+from .models import AgentSession, Deployment, Node, Pool, ScalingDecision
+from .nodes import create_node, rotate_node_token
+
+INLINE_DECISIONS_MIN = 10
+MIB = 1 << 20
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "enabled", "last_seen_at"]
+    readonly_fields = ["token_prefix", "facts", "last_seen_at", "created_at"]
+    actions = ["rotate_token"]
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        node, raw = create_node(obj.name, obj.tenant)
+        obj.pk = node.pk
+        messages.warning(
+            request,
+            f"Node created. Start its agent with: python -m serving_agent --platform "
+            f"{request.scheme}://{request.get_host()} --token {raw} (shown once)",
+        )
+
+    @admin.action(description="Rotate the token of the selected node")
+    def rotate_token(self, request, queryset):
+        for node in queryset:
+            messages.warning(
+                request, f"New token for {node}: {rotate_node_token(node)} (shown once)"
+            )
+
+
+@admin.register(AgentSession)
+class AgentSessionAdmin(admin.ModelAdmin):
+    """Read-only: agents write these rows (hello, status, heartbeats); the list shows each
+    connection's health and load as its last heartbeat reported them."""
+
+    list_display = [
+        "node",
+        "deployment_label",
+        "health",
+        "ready_versions",
+        "queue_depth",
+        "in_flight",
+        "memory",
+        "evicted",
+        "gpu_use",
+        "connected_at",
+    ]
+    list_filter = ["node", ("disconnected_at", admin.EmptyFieldListFilter), "deployment_name"]
+    list_select_related = ["node"]
+    search_fields = ["node__name", "deployment_name", "channel_name"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.display(description="deployment", ordering="deployment_name")
+    def deployment_label(self, session: AgentSession) -> str:
+        return session.deployment_name or "– (run by hand)"
+
+    @admin.display(description="health", ordering="-last_heartbeat_at")
+    def health(self, session: AgentSession) -> str:
+        if session.disconnected_at is not None:
+            return f"gone {session.disconnected_at:%Y-%m-%d %H:%M:%S}"
+        state, age = heartbeat_health(session.last_heartbeat_at, timezone.now())
+        return f"{state} ({age:.0f} s)"
+
+    @admin.display(description="queue")
+    def queue_depth(self, session: AgentSession) -> int:
+        return (session.stats or {}).get("queue_depth", 0)
+
+    @admin.display(description="in flight")
+    def in_flight(self, session: AgentSession) -> int:
+        return (session.stats or {}).get("in_flight", 0)
+
+    @admin.display(description="memory used / budget (MiB)")
+    def memory(self, session: AgentSession) -> str:
+        stats = session.stats or {}
+        budget = stats.get("memory_budget_bytes") or session.memory_budget_bytes
+        return f"{_mib(stats.get('memory_used_bytes'))} / {_mib(budget) if budget else '–'}"
+
+    @admin.display(description="evicted")
+    def evicted(self, session: AgentSession) -> str:
+        return ", ".join(map(str, (session.stats or {}).get("evicted", []))) or "–"
+
+    @admin.display(description="GPU use")
+    def gpu_use(self, session: AgentSession) -> str:
+        gpus = (session.stats or {}).get("gpus", [])
+        if not gpus:
+            return "no GPU"
+        return "; ".join(
+            f"{g.get('index', '?')}: {g.get('utilization_pct', 0):.0f} %, "
+            f"{_mib(g.get('memory_used_bytes'))}/{_mib(g.get('memory_total_bytes'))} MiB"
+            for g in gpus
+        )
+
+
+def _mib(size: int | None) -> str:
+    return f"{(size or 0) / MIB:,.0f}"
+
+
+@admin.register(Pool)
+class PoolAdmin(admin.ModelAdmin):
+    list_display = ["name", "backend", "namespace", "description", "deployment_count"]
+    search_fields = ["name", "description"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(deployment_count=Count("deployments"))
+
+    @admin.display(description="deployments", ordering="deployment_count")
+    def deployment_count(self, pool: Pool) -> int:
+        return pool.deployment_count
+
+
+class DecisionInline(admin.TabularInline):
+    """The last minutes only: at one decision per control-loop pass a day holds thousands; the
+    scaling decisions' own list has them all."""
+
+    model = ScalingDecision
+    extra = 0
+    can_delete = False
+    max_num = 0
+    fields = ["created_at", "current", "desired", "accepted", "dry_run", "reason", "error"]
+    readonly_fields = fields
+    ordering = ["-created_at"]
+    verbose_name_plural = f"scaling decisions of the last {INLINE_DECISIONS_MIN} minutes"
+
+    def get_queryset(self, request):
+        since = timezone.now() - timedelta(minutes=INLINE_DECISIONS_MIN)
+        return super().get_queryset(request).filter(created_at__gte=since)
+
+
+# Only the autoscaler writes these; the cluster name follows the version, so changing the
+# version (or the pool, or the tenant) of a running deployment would orphan its replicas.
+AUTOSCALER_FIELDS = [
+    "desired_replicas",
+    "cluster_name",
+    "woken_at",
+    "last_active_at",
+    "applied_template",
+    "updated_at",
+]
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    """Changes go through the same functions as the API (audited, locked, saving only what
+    changed); ``desired_replicas`` is read-only: only the autoscaler moves it, after the
+    cluster accepted the scale. Live replicas are the agents connected for it now."""
+
+    list_display = [
+        "__str__",
+        "tenant",
+        "pool",
+        "min_replicas",
+        "max_replicas",
+        "desired_replicas",
+        "live_replicas",
+        "last_active_at",
+    ]
+    list_filter = ["pool", "tenant", "isolation"]
+    list_select_related = ["tenant", "pool", "version__model__tenant"]
+    inlines = [DecisionInline]
+
+    def get_queryset(self, request):
+        horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+        live = Q(sessions__disconnected_at__isnull=True, sessions__last_heartbeat_at__gte=horizon)
+        return super().get_queryset(request).annotate(live=Count("sessions", filter=live))
+
+    def get_readonly_fields(self, request, obj=None):
+        identity = ["tenant", "version", "pool"] if obj else ["tenant"]  # tenant: the version's
+        return [*identity, *AUTOSCALER_FIELDS]
+
+    @admin.display(description="live replicas", ordering="live")
+    def live_replicas(self, deployment: Deployment) -> int:
+        return deployment.live
+
+    def save_model(self, request, obj, form, change):
+        actor = user_actor(request.user)
+        if change:
+            update_deployment(obj, {f: form.cleaned_data[f] for f in form.changed_data}, actor)
+            return
+        values = {name: getattr(obj, name) for name in SETTINGS}
+        created = create_deployment(obj.version, obj.pool, values, actor)
+        obj.pk, obj.tenant_id = created.pk, created.tenant_id
+
+    def has_delete_permission(self, request, obj=None):
+        # Its replicas would run on unscaled: the control loop scales only deployments it has
+        # rows for. Scale it to zero first (min_replicas 0, then idle).
+        return obj is None or (obj.desired_replicas == 0 and not getattr(obj, "live", 0))
+
+    def delete_model(self, request, obj):
+        delete_deployment(obj, user_actor(request.user))
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)  # a bulk delete would skip the check above
+        return actions
+
+
+@admin.register(ScalingDecision)
+class ScalingDecisionAdmin(admin.ModelAdmin):
+    list_display = [
+        "created_at",
+        "deployment",
+        "current",
+        "desired",
+        "accepted",
+        "dry_run",
+        "reason",
+        "error",
+    ]
+    list_filter = ["dry_run", "deployment__pool", "deployment"]
+    list_select_related = ["deployment__version__model__tenant", "deployment__pool"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False

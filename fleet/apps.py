@@ -1,0 +1,11 @@
+from django.apps import AppConfig
+
+
+class FleetConfig(AppConfig):
+    name = "fleet"
+    verbose_name = "Fleet: nodes, agents, deployments and autoscaling"
+
+    def ready(self) -> None:
+        from .changes import watch_changes
+
+        watch_changes()

@@ -1,0 +1,131 @@
+"""Nodes and their agents' sessions: node tokens, the session each agent connection keeps up to
+date (hello, heartbeats, version states), and which sessions are alive."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
+from serving_agent.protocol import Hello, VersionStatus
+
+from .changes import bump_generation
+from .models import AgentSession, Deployment, Node
+
+log = logging.getLogger(__name__)
+
+NODE_KIND = "syn"
+
+
+def create_node(name: str, tenant=None) -> tuple[Node, str]:
+    """Create a node; the raw token is returned once and never stored."""
+    prefix, raw = new_token(NODE_KIND)
+    node = Node.objects.create(
+        name=name, tenant=tenant, token_prefix=prefix, token_hash=hash_token(raw)
+    )
+    return node, raw
+
+
+def rotate_node_token(node: Node) -> str:
+    prefix, raw = new_token(NODE_KIND)
+    node.token_prefix, node.token_hash = prefix, hash_token(raw)
+    node.save(update_fields=["token_prefix", "token_hash"])
+    return raw
+
+
+def authenticate_node(raw: str | None) -> Node | None:
+    prefix = token_prefix(raw or "", NODE_KIND)
+    if prefix is None:
+        return None
+    node = Node.objects.filter(token_prefix=prefix, enabled=True).first()
+    if node is None or not token_matches(raw or "", node.token_hash):
+        return None
+    return node
+
+
+def live_sessions() -> QuerySet[AgentSession]:
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    return AgentSession.objects.filter(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon)
+
+
+def find_deployment(name: str) -> Deployment | None:
+    """The deployment a replica names (its cluster name, ``sy-agent-<pk>-v<version>``)."""
+    prefix, _, rest = name.partition("sy-agent-")
+    pk = rest.split("-", 1)[0]
+    if prefix or not pk.isdigit():
+        return None
+    found = Deployment.objects.select_related("version__model", "pool").filter(pk=int(pk)).first()
+    return found if found is not None and found.cluster_name == name else None
+
+
+def open_session(node: Node, channel_name: str, hello: Hello) -> AgentSession:
+    node.facts = hello.model_dump(exclude={"type"})
+    node.last_seen_at = timezone.now()
+    node.save(update_fields=["facts", "last_seen_at"])  # bumps the generation: placement reruns
+    name = hello.deployment or ""
+    deployment = find_deployment(name) if name else None
+    if name and deployment is None:
+        log.warning("agent on node %s names an unknown deployment %r", node, name)
+    session, _ = AgentSession.objects.update_or_create(
+        channel_name=channel_name,
+        defaults={
+            "node": node,
+            "disconnected_at": None,
+            "last_heartbeat_at": timezone.now(),
+            "deployment_name": name,
+            "deployment": deployment,
+            "memory_budget_bytes": hello.memory_budget_bytes,
+        },
+    )
+    return session
+
+
+def record_heartbeat(session_id: int, node_id: int, stats: dict) -> None:
+    now = timezone.now()
+    AgentSession.objects.filter(pk=session_id).update(stats=stats, last_heartbeat_at=now)
+    Node.objects.filter(pk=node_id).update(last_seen_at=now)
+
+
+def record_version_state(session_id: int, status: VersionStatus, ready: list[int]) -> None:
+    """Store a version's state on this connection; an eviction reruns placement."""
+    session = AgentSession.objects.filter(pk=session_id).first()
+    if session is None:
+        return
+    states = dict(session.version_states)
+    states[str(status.version_id)] = {
+        "state": status.state,
+        "detail": status.detail[:300],
+        "memory_bytes": status.memory_bytes,
+    }
+    AgentSession.objects.filter(pk=session_id).update(
+        ready_versions=sorted(ready), version_states=states, last_heartbeat_at=timezone.now()
+    )
+    if status.state == "evicted" and not session.deployment_name:
+        bump_generation()
+
+
+def close_session(session_id: int) -> None:
+    AgentSession.objects.filter(pk=session_id).update(disconnected_at=timezone.now())
+    if AgentSession.objects.filter(pk=session_id, deployment_name="").exists():
+        bump_generation()  # placement moves what it served onto the agents still here
+
+
+def mark_stale_sessions() -> int:
+    """Close sessions whose gateway process died without closing them; returns how many."""
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    return AgentSession.objects.filter(
+        disconnected_at__isnull=True, last_heartbeat_at__lt=horizon
+    ).update(disconnected_at=timezone.now())
+
+
+def reload_node(node_id: int) -> Node | None:
+    return Node.objects.filter(pk=node_id).first()
+
+
+def agent_channels() -> list[tuple[str, list[int]]]:
+    """(channel name, ready version ids) of the agent connections alive in any gateway process."""
+    return list(live_sessions().values_list("channel_name", "ready_versions"))
