@@ -1,5 +1,5 @@
 """Replay a bursty traffic trace through the autoscaler's decision function
-(``rollouts.autoscale.decide``) with a model of replica start time and capacity, and compare it
+(``fleet.autoscale.decide``) with a model of replica start time and capacity, and compare it
 with a fixed fleet sized for the peak: replicas over time, share of requests over the latency
 SLO, and replica-minutes spent. Run: ``.venv/bin/python bench/autoscale_sim.py``.
 

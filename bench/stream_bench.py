@@ -2,8 +2,8 @@
 concurrent streams through the platform, next to the same engine generating in process.
 
 Platform: uvicorn and a serving agent pinned to CPU 0, PostgreSQL + a Redis of its own, the demo
-text model's architecture (``registry/textgen_train.py``; briefly trained weights decode at the
-same speed as fully trained ones). Clients are websocket streams from this process, pinned to
+text model's architecture (``platform_site/demo/storyteller.py``; briefly trained weights decode
+at the same speed as fully trained ones). Clients are websocket streams from this process, pinned to
 CPU 1. In process: the agent's own ``Engine`` on the same model, pinned to CPU 0 with one torch
 thread like the agent, fed the same requests. Every stream asks for ``--tokens`` greedy tokens
 with no stop sequence, so all streams do the same work. Run:

@@ -186,7 +186,7 @@ class DeploymentAdmin(admin.ModelAdmin):
     inlines = [DecisionInline]
 
     def get_queryset(self, request):
-        horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+        horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD_AGENT_STALE_S)
         live = Q(sessions__disconnected_at__isnull=True, sessions__last_heartbeat_at__gte=horizon)
         return super().get_queryset(request).annotate(live=Count("sessions", filter=live))
 

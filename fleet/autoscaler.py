@@ -44,7 +44,7 @@ def ensure_pool_token(pool: Pool) -> Path:
     """The local backend's agents authenticate as the node ``pool-<name>``; only the hash is
     in the database, so the raw token lives in a file only this user can read."""
     # A dot folder: the local backend takes the other folders there for deployments.
-    path = settings.LOCAL_AGENTS_DIR / ".tokens" / f"{pool.name}.token"
+    path = settings.SWITCHYARD_LOCAL_AGENTS_DIR / ".tokens" / f"{pool.name}.token"
     node = Node.objects.filter(name=f"pool-{pool.name}").first()
     if node is not None and path.exists():
         return path
@@ -61,7 +61,9 @@ def backend_for(pool: Pool) -> ClusterBackend:
         from .cluster.local import LocalBackend
 
         return LocalBackend(
-            settings.LOCAL_AGENTS_DIR, settings.PLATFORM_URL, ensure_pool_token(pool)
+            settings.SWITCHYARD_LOCAL_AGENTS_DIR,
+            settings.SWITCHYARD_PLATFORM_URL,
+            ensure_pool_token(pool),
         )
     from .cluster.kubernetes import KubernetesBackend
 
@@ -88,8 +90,8 @@ def template_for(deployment: Deployment) -> AgentTemplate:
     return AgentTemplate(
         name=deployment.cluster_name,
         namespace=pool.namespace,
-        image=pool.image or settings.AGENT_IMAGE,
-        platform_url=settings.PLATFORM_URL,
+        image=pool.image or settings.SWITCHYARD_AGENT_IMAGE,
+        platform_url=settings.SWITCHYARD_PLATFORM_URL,
         token_secret=TOKEN_SECRET,
         replicas=deployment.desired_replicas,
         cpu=deployment.cpu,
@@ -272,6 +274,6 @@ def autoscale_all(deployment_id: int | None = None) -> dict[int, str]:
         reconcile = getattr(backend, "reconcile_all", None)
         if reconcile is not None:
             reconcile()  # the local backend restarts replicas whose process died
-    cutoff = now - timedelta(hours=settings.SCALING_HISTORY_HOURS)
+    cutoff = now - timedelta(hours=settings.SWITCHYARD_SCALING_HISTORY_HOURS)
     ScalingDecision.objects.filter(created_at__lt=cutoff).delete()
     return done

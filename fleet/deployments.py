@@ -66,7 +66,7 @@ def deployments_of(tenant_id: int) -> QuerySet[Deployment]:
     )
 
 
-def get_deployment(tenant_id: int, deployment_id: int) -> Deployment:
+def deployment_for(tenant_id: int, deployment_id: int) -> Deployment:
     found = deployments_of(tenant_id).filter(pk=deployment_id).first()
     if found is None:
         raise NotFound(f"no deployment {deployment_id}")
@@ -213,7 +213,7 @@ def heartbeat_health(last_heartbeat_at: datetime, now: datetime) -> tuple[str, f
     """("healthy" | "stale", seconds since the last heartbeat): healthy while at most two
     heartbeats in a row went missing."""
     age = max((now - last_heartbeat_at).total_seconds(), 0.0)
-    healthy = age <= settings.SWITCHYARD["AGENT_HEARTBEAT_S"] * 3
+    healthy = age <= settings.SWITCHYARD_AGENT_HEARTBEAT_S * 3
     return ("healthy" if healthy else "stale"), round(age, 1)
 
 

@@ -48,7 +48,7 @@ def authenticate_node(raw: str | None) -> Node | None:
 
 
 def live_sessions() -> QuerySet[AgentSession]:
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD_AGENT_STALE_S)
     return AgentSession.objects.filter(disconnected_at__isnull=True, last_heartbeat_at__gte=horizon)
 
 
@@ -116,7 +116,7 @@ def close_session(session_id: int) -> None:
 
 def mark_stale_sessions() -> int:
     """Close sessions whose gateway process died without closing them; returns how many."""
-    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD["AGENT_STALE_S"])
+    horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD_AGENT_STALE_S)
     return AgentSession.objects.filter(
         disconnected_at__isnull=True, last_heartbeat_at__lt=horizon
     ).update(disconnected_at=timezone.now())

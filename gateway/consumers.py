@@ -29,11 +29,12 @@ from serving_agent.protocol import (
     VersionStatus,
     agent_message,
     decode_frame,
+    error_frame,
     pack_frames,
     unpack_frames,
 )
 
-from .dispatch import AgentLink, error_frame
+from .dispatch import AgentLink
 from .state import get_state
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         specs = await database_sync_to_async(assignments.assignment_for)(node, self.session_id)
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
-            heartbeat = settings.SWITCHYARD["AGENT_HEARTBEAT_S"]
+            heartbeat = settings.SWITCHYARD_AGENT_HEARTBEAT_S
             await self.send(
                 text_data=Assign(versions=specs, heartbeat_s=heartbeat).model_dump_json()
             )
@@ -173,7 +174,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.state.pool.remove(self.link, "the serving agent disconnected during the request")
             self.state.agent_consumers.discard(self)
             for request_id, channel in self.remote_replies.items():
-                frame = error_frame(request_id, "the serving agent disconnected")
+                frame = error_frame(request_id, "internal", "the serving agent disconnected")
                 await self.channel_layer.send(channel, {"type": "infer.reply", "frame": frame})
             self.remote_replies.clear()
         if self.session_id is not None:

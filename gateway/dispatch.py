@@ -37,10 +37,20 @@ from serving_agent.protocol import (
 
 log = logging.getLogger(__name__)
 
-Reply = tuple[InferResult | InferError, list[np.ndarray]]
+AgentReply = tuple[InferResult | InferError, list[np.ndarray]]
 # Frames of one generation buffered for its client; past this the client is reading too slowly
 # and the stream is ended rather than buffered without bound.
 STREAM_BUFFER = 256
+
+
+# What an agent's error code means to a client: its input was refused, or the agent cannot take
+# it now (retry). Anything else is the agent's own failure.
+AGENT_ERROR_STATUS = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}
+
+
+def status_of(error: InferError) -> int:
+    """The HTTP status that answers an agent's error (500 for an internal one)."""
+    return AGENT_ERROR_STATUS.get(error.code, 500)
 
 
 class DispatchError(Exception):
@@ -58,7 +68,7 @@ class SlowClient(DispatchError):
 
 
 @dataclass(eq=False)
-class Stream:
+class StreamInbox:
     """One generation in flight: the agent's frames wait here until the client takes them."""
 
     id: int
@@ -92,7 +102,7 @@ class Stream:
         if isinstance(item, DispatchError):
             raise item
         if isinstance(item, InferError):
-            status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(item.code, 500)
+            status = status_of(item)
             raise DispatchError(status, item.message, 1 if status == 503 else None)
         return item
 
@@ -114,8 +124,8 @@ class AgentLink:
     name: str
     send_message: Callable[[bytes], Awaitable[None]]
     ready: set[int] = field(default_factory=set)
-    pending: dict[int, asyncio.Future[Reply]] = field(default_factory=dict)
-    streams: dict[int, Stream] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[AgentReply]] = field(default_factory=dict)
+    streams: dict[int, StreamInbox] = field(default_factory=dict)
     outbox: list[bytes] = field(default_factory=list)
 
     async def send_frame(self, frame: bytes) -> None:
@@ -139,8 +149,8 @@ class AgentPool:
         # Filled by the gateway's refresh loop: version id -> channel names in other processes.
         self.remote: dict[int, list[str]] = {}
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
-        self._remote_pending: dict[int, asyncio.Future[Reply]] = {}
-        self._remote_streams: dict[int, Stream] = {}
+        self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
+        self._remote_streams: dict[int, StreamInbox] = {}
 
     # Links -------------------------------------------------------------------------------------
     def add(self, link: AgentLink) -> None:
@@ -186,7 +196,7 @@ class AgentPool:
         outputs: list[str] | None,
         timeout: float,
         trace: str = "",
-    ) -> Reply:
+    ) -> AgentReply:
         """Send one request to an agent serving the version and wait for its reply."""
         request_id = next(self._ids)
         frame = encode_frame(
@@ -200,7 +210,7 @@ class AgentPool:
             arrays,
         )
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Reply] = loop.create_future()
+        fut: asyncio.Future[AgentReply] = loop.create_future()
         links = self._by_version.get(version_id)
         if links:
             link = min(links, key=lambda candidate: len(candidate.pending))
@@ -220,7 +230,7 @@ class AgentPool:
                 self._remote_pending.pop(request_id, None)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
 
-    async def open_stream(self, request: GenerateRequest) -> Stream:
+    async def open_stream(self, request: GenerateRequest) -> StreamInbox:
         """Send a generation to an agent serving the version; its frames arrive on the stream.
         The caller must ``close_stream`` it (after ``cancel`` if it did not run to the end)."""
         request.id = next(self._ids)
@@ -228,11 +238,11 @@ class AgentPool:
         links = self._by_version.get(request.version_id)
         if links:
             link = min(links, key=lambda c: len(c.pending) + len(c.streams))
-            stream = link.streams[request.id] = Stream(request.id, link.send_frame)
+            stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
             channel = random.choice(self.remote[request.version_id])
             send = partial(self.remote_sender, channel)
-            stream = self._remote_streams[request.id] = Stream(request.id, send)
+            stream = self._remote_streams[request.id] = StreamInbox(request.id, send)
         else:
             raise DispatchError(503, "no serving agent is ready for this model version", 1)
         try:
@@ -242,7 +252,7 @@ class AgentPool:
             raise
         return stream
 
-    def close_stream(self, stream: Stream) -> None:
+    def close_stream(self, stream: StreamInbox) -> None:
         self._remote_streams.pop(stream.id, None)
         for link in self._links:
             link.streams.pop(stream.id, None)
@@ -255,7 +265,7 @@ class AgentPool:
             raise DispatchError(502, f"could not reach the serving agent: {exc!r}") from None
 
     @staticmethod
-    async def _wait(fut: asyncio.Future[Reply], timeout: float) -> Reply:
+    async def _wait(fut: asyncio.Future[AgentReply], timeout: float) -> AgentReply:
         try:
             async with asyncio.timeout(timeout):
                 return await fut
@@ -295,7 +305,7 @@ class AgentPool:
             fut.set_result(reply)
 
     @staticmethod
-    def _feed(streams: dict[int, Stream], header: FrameHeader) -> None:
+    def _feed(streams: dict[int, StreamInbox], header: FrameHeader) -> None:
         stream = streams[header.id]
         if isinstance(header, GenerateDone | InferError):
             stream.ended = True  # the agent is done with it: nothing to cancel any more
@@ -326,7 +336,3 @@ def in_background(coro: Coroutine) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)  # a reference, so the task is not garbage collected
     task.add_done_callback(_background.discard)
-
-
-def error_frame(request_id: int, message: str) -> bytes:
-    return encode_frame(InferError(id=request_id, code="internal", message=message))

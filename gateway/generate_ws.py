@@ -31,11 +31,12 @@ from django.conf import settings
 from django.http.request import validate_host
 from pydantic import ValidationError
 
+from tenants.members import session_identity
+
 from .dispatch import SlowClient
 from .generation import GenerateParams, start_generation
 from .pipeline import ApiError, authenticate
 from .state import get_state
-from .web_tenancy import session_identity
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
 from . import metrics, tracing
-from .dispatch import DispatchError, SlowClient, Stream
+from .dispatch import DispatchError, SlowClient, StreamInbox
 from .pipeline import ApiError, Routed, resolve, route_request
 from .state import GatewayState, Progress
 from .stream_budget import RENEW_S, BudgetExceeded
@@ -47,7 +47,7 @@ def count_tokens(text: str) -> int:
 
 
 @dataclass
-class Usage:
+class TokenUsage:
     input_tokens: int = 0
     output_tokens: int = 0
     ttft_ms: float | None = None  # at the gateway: from admission to the first token
@@ -79,7 +79,7 @@ class Generation:
         state: GatewayState,
         identity: KeyIdentity,
         routed: Routed,
-        stream: Stream,
+        stream: StreamInbox,
         started: float,
         prompt_tokens: int,
         slot: str,
@@ -91,7 +91,7 @@ class Generation:
         self.started = started
         self.slot = slot  # the tenant's stream slot, renewed while the stream runs
         self._renewed = time.monotonic()
-        self.usage = Usage(input_tokens=prompt_tokens)
+        self.usage = TokenUsage(input_tokens=prompt_tokens)
         self.finish_reason: str | None = None
         self._closed = False
 

@@ -15,14 +15,12 @@ latest heartbeats in the database, read at scrape time, so every process reports
 from __future__ import annotations
 
 import bisect
-import hmac
 import math
 import os
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
@@ -343,39 +341,3 @@ def exposition() -> bytes:
     else:
         registry = REGISTRY
     return generate_latest(registry) + generate_latest(_fleet_registry)
-
-
-async def metrics_app(scope: dict, receive, send) -> None:
-    """``GET /metrics`` as a lean ASGI app. With ``SWITCHYARD_METRICS_TOKEN`` set, scrapers
-    must send it as a bearer token (metrics name tenants and models)."""
-    from channels.db import database_sync_to_async
-    from django.conf import settings
-
-    from platform_site.tokens import bearer
-
-    from .state import get_state
-
-    headers = dict(scope["headers"])
-    token = settings.SWITCHYARD["METRICS_TOKEN"]
-    if scope["method"] not in ("GET", "HEAD"):
-        status, body, content_type = 405, b'{"error": "use GET"}', b"application/json"
-    elif token and not hmac.compare_digest(
-        bearer(headers.get(b"authorization", b"").decode("latin-1")) or "", token
-    ):
-        status, content_type = 401, b"application/json"
-        body = b'{"error": "metrics need the bearer token SWITCHYARD_METRICS_TOKEN"}'
-    else:
-        get_state().metrics.fold()  # this process's latest counts; others fold every 0.5 s
-        status, content_type = 200, CONTENT_TYPE_LATEST.encode()
-        body = await database_sync_to_async(exposition)()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

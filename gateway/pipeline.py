@@ -17,7 +17,7 @@ from serving_agent.protocol import InferError, InferResult
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
-from .dispatch import DispatchError
+from .dispatch import DispatchError, status_of
 from .metrics import Observed
 from .routes import InputSpec, Route, RouteMissing
 from .state import GatewayState
@@ -165,7 +165,7 @@ async def run_inference(
         if isinstance(reply, InferResult):
             observed.agent_times(reply.queue_ms, reply.compute_ms)
     if isinstance(reply, InferError):
-        status = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}.get(reply.code, 500)
+        status = status_of(reply)
         retry = [("Retry-After", "1")] if status == 503 else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)

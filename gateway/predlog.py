@@ -100,7 +100,7 @@ def keyed_hash(value: object, key: bytes) -> str:
 
 
 def log_hash_key() -> bytes:
-    configured = settings.SWITCHYARD["LOG_HASH_KEY"]
+    configured = settings.SWITCHYARD_LOG_HASH_KEY
     if configured:
         return configured.encode()
     # Derived, so a deployment without its own key still hashes with a secret one.
@@ -276,10 +276,9 @@ class PredictionLogger:
     ) -> None:
         """``autostart=False`` leaves the writer thread unstarted: tests then write with
         ``write_pending()`` in their own thread."""
-        conf = settings.SWITCHYARD
-        self.capacity = capacity or conf["PREDLOG_BUFFER"]
-        self.batch_size = batch_size or conf["PREDLOG_BATCH"]
-        self.flush_s = flush_s or conf["PREDLOG_FLUSH_S"]
+        self.capacity = capacity or settings.SWITCHYARD_PREDLOG_BUFFER
+        self.batch_size = batch_size or settings.SWITCHYARD_PREDLOG_BATCH
+        self.flush_s = flush_s or settings.SWITCHYARD_PREDLOG_FLUSH_S
         self.hash_key = log_hash_key()
         self.written = 0
         self.dropped_buffer_full = 0

@@ -48,24 +48,23 @@ Progress = Callable[[dict], Awaitable[None]]
 class GatewayState:
     def __init__(self) -> None:
         self.pool = AgentPool()
-        cfg = settings.SWITCHYARD
         self.limiter: LocalLimiter | RedisLeaseLimiter = (
-            RedisLeaseLimiter(settings.REDIS_URL, cfg["RATE_LEASE_FRACTION"])
+            RedisLeaseLimiter(settings.REDIS_URL, settings.SWITCHYARD_RATE_LEASE_FRACTION)
             if settings.REDIS_URL
             else LocalLimiter()
         )
-        self.infer_timeout = cfg["INFER_TIMEOUT_S"]
-        self.max_body = cfg["MAX_BODY_BYTES"]
-        self._interval = cfg["REFRESH_INTERVAL_S"]
+        self.infer_timeout = settings.SWITCHYARD_INFER_TIMEOUT_S
+        self.max_body = settings.SWITCHYARD_MAX_BODY_BYTES
+        self._interval = settings.SWITCHYARD_REFRESH_INTERVAL_S
         self._keys: dict[str, KeyIdentity | None] = {}
         self._routes: dict[tuple[int, str, int | None], Route | str] = {}
         self._splits: dict[tuple[int, str], Split | None] = {}
         self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
         # Folded into prometheus-client by the refresh loop.
-        self.metrics = RequestMetrics(stage_every=cfg["STAGE_SAMPLE"])
-        self.count_metrics = cfg["REQUEST_METRICS"]
-        self.log_predictions = cfg["PREDICTION_LOG"]
+        self.metrics = RequestMetrics(stage_every=settings.SWITCHYARD_STAGE_SAMPLE)
+        self.count_metrics = settings.SWITCHYARD_REQUEST_METRICS
+        self.log_predictions = settings.SWITCHYARD_PREDICTION_LOG
         self.predlog = PredictionLogger()
         # Text generation: each tenant's concurrent streams and tokens per minute.
         self.streams: StreamBudget = (
@@ -79,7 +78,7 @@ class GatewayState:
         self._task: asyncio.Task | None = None
         self._reply_task: asyncio.Task | None = None
         self.agent_consumers: set = set()  # AgentConsumer instances held by this process
-        self.cold_start_hold_s = cfg["COLD_START_HOLD_S"]
+        self.cold_start_hold_s = settings.SWITCHYARD_COLD_START_HOLD_S
         # version id -> (when this process last woke it, the call saying if it is deployed)
         self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
 

@@ -15,9 +15,10 @@ from urllib.parse import urlsplit
 import httpx
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
-from platform_site.errors import Conflict
+from platform_site.errors import Conflict, NotFound
 from platform_site.jobs import send_on_commit
 from tenants.audit import Actor, audit
 from tenants.models import Tenant
@@ -83,8 +84,20 @@ def resolve_alert(tenant_id: int, key: str) -> int:
     )
 
 
-def open_alerts(tenant_id: int):
-    return Alert.objects.filter(tenant_id=tenant_id, resolved_at=None).select_related("model")
+def alerts_of(tenant_id: int) -> QuerySet[Alert]:
+    """Every alert lookup goes through the tenant: another tenant's alert is never found."""
+    return Alert.objects.filter(tenant_id=tenant_id).select_related("model")
+
+
+def alert_for(tenant_id: int, alert_id: int) -> Alert:
+    found = alerts_of(tenant_id).filter(pk=alert_id).first()
+    if found is None:
+        raise NotFound(f"no alert {alert_id}")
+    return found
+
+
+def open_alerts(tenant_id: int) -> QuerySet[Alert]:
+    return alerts_of(tenant_id).filter(resolved_at=None)
 
 
 def resolve_by_hand(alert: Alert, actor: Actor, reason: str) -> Alert:

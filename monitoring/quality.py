@@ -109,7 +109,7 @@ def auc(scores: Sequence[float], labels: Sequence[int]) -> float | None:
 
 
 @dataclass
-class Tally:
+class LabelledGroup:
     """One group's counts and its labelled rows: score, predicted class, label."""
 
     logged: int = 0  # successful requests logged
@@ -166,7 +166,7 @@ def _tally(
     key: Callable[[dict], Hashable],
 ) -> dict:
     """Tallies of ``logs``' successful, labelled requests grouped by ``key(row)``."""
-    tallies: dict = defaultdict(Tally)
+    tallies: dict = defaultdict(LabelledGroup)
     has_label = Exists(
         Feedback.objects.filter(tenant_id=OuterRef("tenant_id"), request_id=OuterRef("request_id"))
     )

@@ -56,7 +56,7 @@ def slo_window() -> timedelta:
 
 
 @dataclass(frozen=True)
-class Tally:
+class WindowCounts:
     """Requests over some window: how many, how many failed, how many were fast enough."""
 
     requests: int = 0
@@ -99,7 +99,7 @@ def fast_expression(threshold_ms: float) -> Expression:
     return total
 
 
-def burn_rate(tally: Tally, sli: str, objective: float) -> float:
+def burn_rate(tally: WindowCounts, sli: str, objective: float) -> float:
     """The bad share over the allowed share; 0 without requests (nothing was spent)."""
     share = tally.bad_share(sli)
     return 0.0 if share is None else share / (1.0 - objective)
@@ -113,7 +113,7 @@ def alert_level(burn: dict[str, float]) -> tuple[str, str, str, float] | None:
     return None
 
 
-def model_tallies(model: Model, now: datetime) -> dict[str, Tally]:
+def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
     """The model's tallies over the SLO window ("slo") and every burn window, in one query."""
     windows = {"slo": slo_window(), **BURN_WINDOWS}
     fast = fast_expression(model.slo_latency_ms)
@@ -130,14 +130,14 @@ def model_tallies(model: Model, now: datetime) -> dict[str, Tally]:
     )
     got = rows.aggregate(**sums)
     return {
-        name: Tally(
+        name: WindowCounts(
             got[f"{name}:requests"] or 0, got[f"{name}:errors"] or 0, got[f"{name}:fast"] or 0
         )
         for name in windows
     }
 
 
-def sli_status(model: Model, sli: str, tallies: dict[str, Tally]) -> dict:
+def sli_status(model: Model, sli: str, tallies: dict[str, WindowCounts]) -> dict:
     """One SLI of a model: objective, value over the SLO window, budget left, burn rates and
     the alert rule that holds now (if any)."""
     objective = objective_of(model, sli)
@@ -192,7 +192,8 @@ def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HO
         )
     )
     per_minute = {
-        row["minute"]: Tally(row["requests"], row["errors"], row["fast"] or 0) for row in minutes
+        row["minute"]: WindowCounts(row["requests"], row["errors"], row["fast"] or 0)
+        for row in minutes
     }
     series: dict[str, list] = {"t": []}
     for sli in SLIS:
@@ -211,12 +212,12 @@ def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HO
     return series
 
 
-def _sum(tallies) -> Tally:
+def _sum(tallies) -> WindowCounts:
     requests = errors = fast = 0
     for t in tallies:
         if t is not None:
             requests, errors, fast = requests + t.requests, errors + t.errors, fast + t.fast
-    return Tally(requests, errors, fast)
+    return WindowCounts(requests, errors, fast)
 
 
 # Alerting ------------------------------------------------------------------------------------

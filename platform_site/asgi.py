@@ -15,10 +15,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from gateway.metrics import metrics_app  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
-from gateway.routing import websocket_urlpatterns  # noqa: E402
+from gateway.scrape import metrics_app  # noqa: E402
 from gateway.state import all_states  # noqa: E402
+from platform_site.routing import websocket_urlpatterns  # noqa: E402
 
 # Static files (the admin's CSS and JS) are served by Django's own ASGI static handler on their
 # own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware

@@ -4,6 +4,10 @@ Unset, the platform runs on one box with nothing to install: SQLite, an in-proce
 layer, an in-process rate limiter and a file-based Celery broker under ``var/``. Set
 ``DATABASE_URL`` and ``REDIS_URL`` for PostgreSQL and Redis. A secret may come from
 ``NAME_FILE`` instead of ``NAME``.
+
+One convention: each of Switchyard's own settings is a Django setting named exactly like the
+environment variable it comes from (``settings.SWITCHYARD_INFER_TIMEOUT_S`` is
+``$SWITCHYARD_INFER_TIMEOUT_S``), read by a typed helper that refuses a value it cannot parse.
 """
 
 import os
@@ -11,6 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -25,12 +30,38 @@ def env(name: str, default: str = "") -> str:
     return default
 
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def env_bool(name: str, default: bool) -> bool:
-    return env(name, str(default)).lower() in ("1", "true", "yes", "on")
+    """1/true/yes/on or 0/false/no/off (any case); anything else stops the start-up."""
+    value = env(name, "1" if default else "0").strip().lower()
+    if value not in TRUE + FALSE:
+        raise ImproperlyConfigured(f"{name}={value!r}: use one of {', '.join(TRUE + FALSE)}")
+    return value in TRUE
 
 
-VAR_DIR = Path(env("SWITCHYARD_VAR_DIR", str(BASE_DIR / "var")))
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+def env_int(name: str, default: int) -> int:
+    return _parsed(name, default, int)
+
+
+def env_float(name: str, default: float) -> float:
+    return _parsed(name, default, float)
+
+
+def _parsed(name: str, default, kind):
+    value = env(name, "")
+    if value.strip() == "":
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ImproperlyConfigured(f"{name}={value!r} is not {what}") from None
+
+
+SWITCHYARD_VAR_DIR = Path(env("SWITCHYARD_VAR_DIR", str(BASE_DIR / "var")))
+SWITCHYARD_VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 SECRET_KEY = env("SECRET_KEY", "switchyard-embedded-dev-key-change-me-in-production")
 DEBUG = env_bool("DEBUG", False)
@@ -56,6 +87,8 @@ INSTALLED_APPS = [
     "rollouts",
     "fleet",
     "gateway",
+    "web",
+    "platform_site",
 ]
 
 MIDDLEWARE = [
@@ -89,7 +122,8 @@ TEMPLATES = [
 # Database ----------------------------------------------------------------------------------
 DATABASES = {
     "default": dj_database_url.parse(
-        env("DATABASE_URL", f"sqlite:///{VAR_DIR / 'switchyard.sqlite3'}"), conn_max_age=60
+        env("DATABASE_URL", f"sqlite:///{SWITCHYARD_VAR_DIR / 'switchyard.sqlite3'}"),
+        conn_max_age=60,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
@@ -101,7 +135,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
     }
     DATABASES["default"]["CONN_MAX_AGE"] = 0
-    DATABASES["default"].setdefault("TEST", {})["NAME"] = str(VAR_DIR / "test.sqlite3")
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = str(SWITCHYARD_VAR_DIR / "test.sqlite3")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis: channel layer, shared rate-limit store and Celery broker ---------------------------
@@ -122,7 +156,7 @@ else:
 # Celery (django-celery-beat keeps the schedules in the database) ----------------------------
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
 if CELERY_BROKER_URL == "filesystem://":
-    _broker_dir = VAR_DIR / "celery-broker"
+    _broker_dir = SWITCHYARD_VAR_DIR / "celery-broker"
     for sub in ("queue", "processed", "control"):
         (_broker_dir / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -136,6 +170,12 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# How often the control loops run (seconds).
+SWITCHYARD_GUARDRAIL_INTERVAL_S = env_float("SWITCHYARD_GUARDRAIL_INTERVAL_S", 5)
+SWITCHYARD_AUTOSCALE_INTERVAL_S = env_float("SWITCHYARD_AUTOSCALE_INTERVAL_S", 5)
+SWITCHYARD_DRIFT_INTERVAL_S = env_float("SWITCHYARD_DRIFT_INTERVAL_S", 60)
+SWITCHYARD_SLO_INTERVAL_S = env_float("SWITCHYARD_SLO_INTERVAL_S", 60)
+SWITCHYARD_RETENTION_INTERVAL_S = env_float("SWITCHYARD_RETENTION_INTERVAL_S", 3600)
 # Declared here, copied into the database by django-celery-beat, editable in the admin.
 CELERY_BEAT_SCHEDULE = {
     "mark-stale-agents-offline": {
@@ -144,27 +184,27 @@ CELERY_BEAT_SCHEDULE = {
     },
     "evaluate-rollouts": {
         "task": "rollouts.tasks.evaluate_rollouts",
-        "schedule": float(env("SWITCHYARD_GUARDRAIL_INTERVAL_S", "5")),
+        "schedule": SWITCHYARD_GUARDRAIL_INTERVAL_S,
     },
     "autoscale": {
         "task": "fleet.tasks.autoscale",
-        "schedule": float(env("SWITCHYARD_AUTOSCALE_INTERVAL_S", "5")),
+        "schedule": SWITCHYARD_AUTOSCALE_INTERVAL_S,
     },
     "detect-drift": {
         "task": "monitoring.tasks.detect_drift",
-        "schedule": float(env("SWITCHYARD_DRIFT_INTERVAL_S", "60")),
+        "schedule": SWITCHYARD_DRIFT_INTERVAL_S,
     },
     "evaluate-slos": {
         "task": "monitoring.tasks.evaluate_slos",
-        "schedule": float(env("SWITCHYARD_SLO_INTERVAL_S", "60")),
+        "schedule": SWITCHYARD_SLO_INTERVAL_S,
     },
     "purge-drift-reports": {
         "task": "monitoring.tasks.purge_drift_reports",
-        "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
+        "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
     },
     "purge-prediction-logs": {
         "task": "monitoring.tasks.purge_prediction_logs",
-        "schedule": float(env("SWITCHYARD_RETENTION_INTERVAL_S", "3600")),
+        "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
     },
 }
 
@@ -180,18 +220,19 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT = SWITCHYARD_VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
 # The web UI's CSS/JS, and Plotly's bundle from the installed package: no CDN on closed networks.
 STATICFILES_DIRS = [
     BASE_DIR / "static",
     ("vendor", Path(find_spec("plotly").origin).parent / "package_data"),
 ]
-MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(VAR_DIR / "media")))
+MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(SWITCHYARD_VAR_DIR / "media")))
 MEDIA_URL = "media/"
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024
-MAX_BODY_BYTES = int(env("SWITCHYARD_MAX_BODY_BYTES", str(16 * 1024 * 1024)))
-DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_BODY_BYTES
+# Largest request body (inference and API); larger ones get 413.
+SWITCHYARD_MAX_BODY_BYTES = env_int("SWITCHYARD_MAX_BODY_BYTES", 16 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = SWITCHYARD_MAX_BODY_BYTES
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -213,59 +254,60 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Data path ---------------------------------------------------------------------------------
-SWITCHYARD = {
-    # Largest inference request body; larger ones get 413.
-    "MAX_BODY_BYTES": MAX_BODY_BYTES,
-    # Deadline for one inference through an agent; past it the client gets 504.
-    "INFER_TIMEOUT_S": float(env("SWITCHYARD_INFER_TIMEOUT_S", "10")),
-    # How often each gateway process checks whether keys, routes or agents changed.
-    "REFRESH_INTERVAL_S": float(env("SWITCHYARD_REFRESH_INTERVAL_S", "0.5")),
-    # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).
-    "RATE_LEASE_FRACTION": float(env("SWITCHYARD_RATE_LEASE_FRACTION", "0.1")),
-    # Agents silent for longer are treated as gone.
-    "AGENT_STALE_S": float(env("SWITCHYARD_AGENT_STALE_S", "30")),
-    "AGENT_HEARTBEAT_S": float(env("SWITCHYARD_AGENT_HEARTBEAT_S", "5")),
-    # A request for an autoscaled version with no ready replica wakes its deployment and waits
-    # this long for a replica to start and load; past it the client gets 503 + Retry-After.
-    "COLD_START_HOLD_S": float(env("SWITCHYARD_COLD_START_HOLD_S", "30")),
-    # Prediction log: sampled records wait in a bounded buffer per process (past it they are
-    # dropped and counted) and are written in batches by a background thread.
-    "PREDLOG_BUFFER": int(env("SWITCHYARD_PREDLOG_BUFFER", "10000")),
-    "PREDLOG_BATCH": int(env("SWITCHYARD_PREDLOG_BATCH", "500")),
-    "PREDLOG_FLUSH_S": float(env("SWITCHYARD_PREDLOG_FLUSH_S", "1")),
-    # 0 turns the prediction log off in this process whatever the models' sampling (shedding
-    # load off a struggling database; the benchmark's baseline).
-    "PREDICTION_LOG": env("SWITCHYARD_PREDICTION_LOG", "1") != "0",
-    # Per-request Prometheus metrics on the data path (0 turns them off: the benchmark's
-    # baseline; /metrics still serves the fleet's).
-    "REQUEST_METRICS": env("SWITCHYARD_REQUEST_METRICS", "1") != "0",
-    # Stage times (switchyard_stage_duration_seconds) from one prediction in this many.
-    "STAGE_SAMPLE": max(1, int(env("SWITCHYARD_STAGE_SAMPLE", "10"))),
-    # When set, GET /metrics needs it as a bearer token (metrics name tenants and models).
-    "METRICS_TOKEN": env("SWITCHYARD_METRICS_TOKEN", ""),
-    # Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".
-    "LOG_HASH_KEY": env("SWITCHYARD_LOG_HASH_KEY", ""),
-}
+# Deadline for one inference through an agent; past it the client gets 504.
+SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
+# How often each gateway process checks whether keys, routes or agents changed.
+SWITCHYARD_REFRESH_INTERVAL_S = env_float("SWITCHYARD_REFRESH_INTERVAL_S", 0.5)
+# Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).
+SWITCHYARD_RATE_LEASE_FRACTION = env_float("SWITCHYARD_RATE_LEASE_FRACTION", 0.1)
+# Agents silent for longer are treated as gone.
+SWITCHYARD_AGENT_STALE_S = env_float("SWITCHYARD_AGENT_STALE_S", 30)
+SWITCHYARD_AGENT_HEARTBEAT_S = env_float("SWITCHYARD_AGENT_HEARTBEAT_S", 5)
+# A request for an autoscaled version with no ready replica wakes its deployment and waits this
+# long for a replica to start and load; past it the client gets 503 + Retry-After.
+SWITCHYARD_COLD_START_HOLD_S = env_float("SWITCHYARD_COLD_START_HOLD_S", 30)
+# Prediction log: sampled records wait in a bounded buffer per process (past it they are dropped
+# and counted) and are written in batches by a background thread.
+SWITCHYARD_PREDLOG_BUFFER = env_int("SWITCHYARD_PREDLOG_BUFFER", 10_000)
+SWITCHYARD_PREDLOG_BATCH = env_int("SWITCHYARD_PREDLOG_BATCH", 500)
+SWITCHYARD_PREDLOG_FLUSH_S = env_float("SWITCHYARD_PREDLOG_FLUSH_S", 1)
+# Off turns the prediction log off in this process whatever the models' sampling (shedding load
+# off a struggling database; the benchmark's baseline).
+SWITCHYARD_PREDICTION_LOG = env_bool("SWITCHYARD_PREDICTION_LOG", True)
+# Per-request Prometheus metrics on the data path (off: the benchmark's baseline; /metrics still
+# serves the fleet's).
+SWITCHYARD_REQUEST_METRICS = env_bool("SWITCHYARD_REQUEST_METRICS", True)
+# Stage times (switchyard_stage_duration_seconds) from one prediction in this many.
+SWITCHYARD_STAGE_SAMPLE = max(1, env_int("SWITCHYARD_STAGE_SAMPLE", 10))
+# When set, GET /metrics needs it as a bearer token (metrics name tenants and models).
+SWITCHYARD_METRICS_TOKEN = env("SWITCHYARD_METRICS_TOKEN", "")
+# Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".
+SWITCHYARD_LOG_HASH_KEY = env("SWITCHYARD_LOG_HASH_KEY", "")
 
 # Fleet -------------------------------------------------------------------------------------
 # The URL agents started by the local cluster backend connect to (this platform).
-PLATFORM_URL = env("SWITCHYARD_PLATFORM_URL", f"http://127.0.0.1:{env('SWITCHYARD_PORT', '8000')}")
+SWITCHYARD_PLATFORM_URL = env(
+    "SWITCHYARD_PLATFORM_URL", f"http://127.0.0.1:{env('SWITCHYARD_PORT', '8000')}"
+)
 # The image of agents the Kubernetes backend starts, unless their pool names one.
-AGENT_IMAGE = env("SWITCHYARD_AGENT_IMAGE", "ghcr.io/switchyard/switchyard:0.1.0")
+SWITCHYARD_AGENT_IMAGE = env("SWITCHYARD_AGENT_IMAGE", "ghcr.io/switchyard/switchyard:0.1.0")
 # Where the local backend keeps its replicas' pid files, logs and the pool node tokens.
-LOCAL_AGENTS_DIR = Path(env("SWITCHYARD_LOCAL_AGENTS_DIR", str(VAR_DIR / "agents")))
+SWITCHYARD_LOCAL_AGENTS_DIR = Path(
+    env("SWITCHYARD_LOCAL_AGENTS_DIR", str(SWITCHYARD_VAR_DIR / "agents"))
+)
 # Scaling decisions are kept this long (the UI charts them; the stabilisation window reads them).
-SCALING_HISTORY_HOURS = float(env("SWITCHYARD_SCALING_HISTORY_HOURS", "24"))
+SWITCHYARD_SCALING_HISTORY_HOURS = env_float("SWITCHYARD_SCALING_HISTORY_HOURS", 24)
 
+# Monitoring --------------------------------------------------------------------------------
 # Alert webhooks are retried after this many seconds, doubling each time (five retries).
-SWITCHYARD_WEBHOOK_BACKOFF_S = float(env("SWITCHYARD_WEBHOOK_BACKOFF_S", "2"))
+SWITCHYARD_WEBHOOK_BACKOFF_S = env_float("SWITCHYARD_WEBHOOK_BACKOFF_S", 2)
 # Webhooks on loopback or private addresses are refused (a tenant must not make the platform
-# call into its own network) unless this is set, e.g. for a receiver inside the cluster.
-SWITCHYARD_WEBHOOK_ALLOW_PRIVATE = env("SWITCHYARD_WEBHOOK_ALLOW_PRIVATE", "0") == "1"
-# SLIs and error budgets are measured over this many days (rollouts/slo.py).
+# call into its own network) unless this is on, e.g. for a receiver inside the cluster.
+SWITCHYARD_WEBHOOK_ALLOW_PRIVATE = env_bool("SWITCHYARD_WEBHOOK_ALLOW_PRIVATE", False)
 # Drift reports are kept this long (the drift page charts the last day).
-SWITCHYARD_DRIFT_HISTORY_DAYS = float(env("SWITCHYARD_DRIFT_HISTORY_DAYS", "30"))
-SWITCHYARD_SLO_WINDOW_DAYS = float(env("SWITCHYARD_SLO_WINDOW_DAYS", "30"))
+SWITCHYARD_DRIFT_HISTORY_DAYS = env_float("SWITCHYARD_DRIFT_HISTORY_DAYS", 30)
+# SLIs and error budgets are measured over this many days (monitoring/slo.py).
+SWITCHYARD_SLO_WINDOW_DAYS = env_float("SWITCHYARD_SLO_WINDOW_DAYS", 30)
 
 LOGGING = {
     "version": 1,

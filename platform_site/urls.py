@@ -34,7 +34,7 @@ urlpatterns = [
     path("v1/completions", openai_api.completions),
     path("v1/chat/completions", openai_api.chat_completions),
     path("v1/models", openai_api.models),
-    path("", include("gateway.web_urls")),
+    path("", include("web.urls")),
 ]
 
 handler404 = not_found

@@ -4,7 +4,12 @@ from django import forms
 from django.contrib import admin
 
 from .models import Alias, Model, ModelVersion
-from .services import create_version
+from .services import (
+    SERVING_FIELDS,
+    check_personal_fields,
+    create_version,
+    update_serving_settings,
+)
 from .signature import SignatureError
 
 
@@ -30,11 +35,7 @@ class VersionUploadForm(forms.ModelForm):
             "parent",
             "offline_metrics",
             "feature_names",
-            "description",
-            "max_batch_size",
-            "max_queue_delay_ms",
-            "max_queue",
-            "device",
+            *SERVING_FIELDS,
         ]
 
     def clean(self):
@@ -53,15 +54,25 @@ class VersionUploadForm(forms.ModelForm):
         return data
 
 
+class VersionChangeForm(forms.ModelForm):
+    """On a change: only the serving settings, checked as the API checks them."""
+
+    def clean_personal_fields(self):
+        value = self.cleaned_data["personal_fields"]
+        try:
+            return check_personal_fields(self.instance, value)
+        except SignatureError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+
 @admin.register(ModelVersion)
 class ModelVersionAdmin(admin.ModelAdmin):
     list_display = ["__str__", "sha256", "format", "device", "created_at"]
     list_filter = ["model__tenant", "format"]
-    editable = ["description", "max_batch_size", "max_queue_delay_ms", "max_queue", "device"]
+    editable = SERVING_FIELDS
 
     def get_form(self, request, obj=None, **kwargs):
-        if obj is None:
-            kwargs["form"] = VersionUploadForm
+        kwargs["form"] = VersionUploadForm if obj is None else VersionChangeForm
         return super().get_form(request, obj, **kwargs)
 
     def get_fields(self, request, obj=None):
@@ -76,7 +87,8 @@ class ModelVersionAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         if change:
-            obj.save()
+            # Through the same checks as the API (personal fields name real inputs).
+            update_serving_settings(obj, {f: form.cleaned_data[f] for f in form.changed_data})
             return
         created = form.created
         created.created_by = request.user

@@ -21,6 +21,20 @@ from .signature import (
 )
 
 MAX_ARTIFACT_BYTES = 2 * 1024 * 1024 * 1024
+# What an upload says about a version besides its serving settings: the artifact, its signature
+# and lineage. Immutable once the version exists.
+UPLOAD_FIELDS = (
+    "artifact",
+    "format",
+    "inputs",
+    "outputs",
+    "feature_names",
+    "offline_metrics",
+    "source_commit",
+    "training_data_hash",
+    "parent",
+)
+# The only fields of a version that may change after upload.
 SERVING_FIELDS = (
     "max_batch_size",
     "max_queue_delay_ms",

@@ -11,7 +11,7 @@ from platform_site.tokens import bearer
 
 from .audit import Actor
 from .keys import KeyIdentity, identify_key
-from .models import ApiKey, Membership, Role
+from .models import WRITE_ROLES, ApiKey, Membership, Role
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,6 @@ class Caller:
     tenant_id: int
     role: str
     user_id: int | None
-
-
-WRITE_ROLES = {Role.ENGINEER, Role.APPROVER}
 
 
 def caller_of(request) -> Caller:

@@ -28,6 +28,10 @@ class Role(models.TextChoices):
     APPROVER = "approver", "Approver"
 
 
+# Roles that may change things (engineers act, approvers also decide); viewers only read.
+WRITE_ROLES = frozenset({Role.ENGINEER, Role.APPROVER})
+
+
 class Membership(models.Model):
     """A Django user's role within one tenant."""
 

@@ -80,6 +80,10 @@ def test_uploading_a_version_in_the_admin_checks_the_artifact(admin_client, db, 
         "max_queue_delay_ms": 0,
         "max_queue": 64,
         "device": "auto",
+        "max_input_tokens": 512,
+        "max_output_tokens": 256,
+        "max_streams": 16,
+        "personal_fields": "{}",
         "offline_metrics": "{}",
         "feature_names": "[]",
     }
@@ -95,3 +99,11 @@ def test_uploading_a_version_in_the_admin_checks_the_artifact(admin_client, db, 
     assert good.status_code == 302
     version = ModelVersion.objects.get()
     assert version.inputs[0]["name"] == "x" and version.max_batch_size == 8
+    # A change goes through the API's checks: personal fields must name the version's inputs.
+    url = f"/admin/registry/modelversion/{version.pk}/change/"
+    changed = {**fields, "personal_fields": '{"nope": "redact"}'}
+    refused = admin_client.post(url, changed)
+    assert "is not an input or feature of this version" in refused.content.decode()
+    assert admin_client.post(url, {**fields, "personal_fields": '{"x": "hash"}'}).status_code == 302
+    version.refresh_from_db()
+    assert version.personal_fields == {"x": "hash"}

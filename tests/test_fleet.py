@@ -277,7 +277,7 @@ def test_a_local_pool_gets_a_node_token_file_only_this_user_reads(db, settings, 
     from fleet.cluster.local import LocalBackend
     from fleet.nodes import authenticate_node
 
-    settings.LOCAL_AGENTS_DIR = tmp_path
+    settings.SWITCHYARD_LOCAL_AGENTS_DIR = tmp_path
     pool = Pool.objects.create(name="local", backend="local")
     backend = autoscaler.backend_for(pool)
     assert isinstance(backend, LocalBackend)

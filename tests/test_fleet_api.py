@@ -348,7 +348,8 @@ def test_the_other_tenant_sees_the_shared_node_with_its_own_versions(agents):
 
 
 def test_an_agent_missing_heartbeats_is_stale_and_then_gone(agents, settings):
-    settings.SWITCHYARD = {**settings.SWITCHYARD, "AGENT_HEARTBEAT_S": 5, "AGENT_STALE_S": 30}
+    settings.SWITCHYARD_AGENT_HEARTBEAT_S = 5
+    settings.SWITCHYARD_AGENT_STALE_S = 30
     live(agents.shared, last_heartbeat_at=timezone.now() - timedelta(seconds=20))
     shared = next(
         a for a in agents.client_a.get("/api/v1/agents").json() if a["node"] == "shared-1"

@@ -190,7 +190,7 @@ def test_an_admin_change_is_audited_and_keeps_the_autoscalers_fields(site, admin
 
 
 def test_the_dashboard_lists_no_replica_of_another_tenant(site, world):
-    from gateway.web_data import dashboard_snapshot
+    from web.snapshots import dashboard_snapshot
 
     pool_node, _ = create_node("pool-shared")
     make_session(pool_node, world.dep_b.cluster_name, channel="b-replica")

@@ -17,9 +17,9 @@ from django.core.files.base import ContentFile
 from django.test import AsyncClient
 
 from gateway import generate_ws, openai_api
-from gateway.dispatch import STREAM_BUFFER, AgentLink, SlowClient, Stream
-from gateway.routing import websocket_urlpatterns
+from gateway.dispatch import STREAM_BUFFER, AgentLink, SlowClient, StreamInbox
 from gateway.state import GatewayState
+from platform_site.routing import websocket_urlpatterns
 from registry.models import ArtifactFormat, ModelVersion
 from registry.services import TEXTGEN_INPUTS, TEXTGEN_OUTPUTS, set_alias
 from serving_agent.protocol import (
@@ -320,7 +320,7 @@ def test_a_client_that_does_not_read_is_cut_off_not_buffered():
         sent.append(frame)
 
     async def scenario():
-        stream = Stream(7, send)
+        stream = StreamInbox(7, send)
         streams = {7: stream}
         for _ in range(STREAM_BUFFER):
             assert stream.push(TokenChunk(7, "x", 1))

@@ -11,10 +11,10 @@ from django.contrib.staticfiles import finders
 from django.test import Client
 from django.utils import timezone
 
-from gateway.web_predictions import PAGE_SIZE
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 from tests.test_feedback import label, make_log
+from web.prediction_views import PAGE_SIZE
 
 
 def signed_in(user) -> Client:

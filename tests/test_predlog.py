@@ -240,9 +240,9 @@ def test_marking_an_input_personal_covers_all_of_its_columns():
 
 
 def test_the_hash_key_comes_from_settings_or_else_from_the_secret_key(settings):
-    settings.SWITCHYARD = {**settings.SWITCHYARD, "LOG_HASH_KEY": "configured"}
+    settings.SWITCHYARD_LOG_HASH_KEY = "configured"
     assert PredictionLogger(autostart=False).hash_key == b"configured"
-    settings.SWITCHYARD = {**settings.SWITCHYARD, "LOG_HASH_KEY": ""}
+    settings.SWITCHYARD_LOG_HASH_KEY = ""
     derived = PredictionLogger(autostart=False).hash_key
     assert derived and settings.SECRET_KEY.encode() not in derived
     settings.SECRET_KEY = "another secret"
@@ -477,7 +477,7 @@ def test_the_prediction_log_can_be_switched_off_per_process(settings, world):
 
     route = make_route(rate=1.0)
     for enabled, pending in ((True, 1), (False, 0)):
-        settings.SWITCHYARD = settings.SWITCHYARD | {"PREDICTION_LOG": enabled}
+        settings.SWITCHYARD_PREDICTION_LOG = enabled
         state = GatewayState()
         state.predlog = PredictionLogger(autostart=False)
         observed = Observed(tracing.start_trace(None, None))

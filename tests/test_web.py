@@ -12,13 +12,13 @@ from django.contrib.auth.models import AnonymousUser
 from django.contrib.staticfiles import finders
 from django.test import Client
 
-from gateway.live import LiveConsumer
-from gateway.web_tenancy import SESSION_KEY
 from rollouts import actions, approvals
 from tenants.audit import Actor
+from tenants.members import SESSION_KEY
 from tenants.models import AuditEvent, Membership
 from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
+from web.live import LiveConsumer
 
 GUARDRAILS = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 200}
 

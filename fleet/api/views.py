@@ -23,8 +23,8 @@ from ..assignments import may_download
 from ..deployments import (
     create_deployment,
     delete_deployment,
+    deployment_for,
     deployments_of,
-    get_deployment,
     pool_named,
     tenant_agents,
     update_deployment,
@@ -72,12 +72,12 @@ class DeploymentDetailView(APIView):
 
     @extend_schema(responses=DeploymentSerializer)
     def get(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        deployment = deployment_for(request.caller.tenant_id, deployment_id)
         return Response(deployment_data([deployment])[0])
 
     @extend_schema(request=DeploymentInputSerializer, responses=DeploymentSerializer)
     def patch(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        deployment = deployment_for(request.caller.tenant_id, deployment_id)
         body = DeploymentInputSerializer(data=request.data, partial=True)
         body.is_valid(raise_exception=True)
         updated = update_deployment(deployment, dict(body.validated_data), actor_of(request))
@@ -88,7 +88,7 @@ class DeploymentDetailView(APIView):
         description="409 while replicas run: set min_replicas to 0 and wait for scale to zero.",
     )
     def delete(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        deployment = deployment_for(request.caller.tenant_id, deployment_id)
         delete_deployment(deployment, actor_of(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -100,7 +100,7 @@ class DecisionListView(APIView):
 
     @extend_schema(parameters=[DecisionFilter], responses=DecisionSerializer(many=True))
     def get(self, request, deployment_id: int):
-        deployment = get_deployment(request.caller.tenant_id, deployment_id)
+        deployment = deployment_for(request.caller.tenant_id, deployment_id)
         where = DecisionFilter(data=request.query_params)
         where.is_valid(raise_exception=True)
         rows = deployment.decisions.order_by("-created_at", "-pk")[: where.validated_data["limit"]]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from django.core.validators import URLValidator
 from django.db.models import QuerySet
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied
@@ -15,10 +14,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
-from tenants.authentication import WRITE_ROLES, TenantRolePermission, actor_of
-from tenants.models import Tenant
+from tenants.authentication import TenantRolePermission, actor_of
+from tenants.models import WRITE_ROLES, Tenant
 
-from ..alerts import resolve_by_hand, set_webhook_url
+from ..alerts import alert_for, alerts_of, resolve_by_hand, set_webhook_url
 from ..models import Alert, AlertKind
 
 # Serializers ---------------------------------------------------------------------------------
@@ -76,10 +75,6 @@ class AlertSettingsSerializer(serializers.Serializer):
 # Views ---------------------------------------------------------------------------------------
 
 
-def alerts_of(tenant_id: int) -> QuerySet[Alert]:
-    return Alert.objects.filter(tenant_id=tenant_id).select_related("model")
-
-
 def filtered(alerts: QuerySet[Alert], where: dict) -> QuerySet[Alert]:
     state = where["state"]
     if state != "all":
@@ -108,7 +103,7 @@ class AlertDetailView(APIView):
 
     @extend_schema(responses=AlertSerializer)
     def get(self, request, alert_id: int):
-        alert = get_object_or_404(alerts_of(request.caller.tenant_id), pk=alert_id)
+        alert = alert_for(request.caller.tenant_id, alert_id)
         return Response(AlertSerializer(alert).data)
 
 
@@ -122,7 +117,7 @@ class AlertResolveView(APIView):
     @extend_schema(request=ResolveSerializer, responses=AlertSerializer)
     def post(self, request, alert_id: int):
         body = validated(ResolveSerializer, request.data)
-        alert = get_object_or_404(alerts_of(request.caller.tenant_id), pk=alert_id)
+        alert = alert_for(request.caller.tenant_id, alert_id)
         resolved = resolve_by_hand(alert, actor_of(request), body["reason"])
         return Response(AlertSerializer(resolved).data)
 

@@ -8,9 +8,9 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from ..models import Alias, ArtifactFormat, Device, Model, ModelVersion
+from ..models import Alias, ArtifactFormat, Model, ModelVersion
 from ..reference import normalize_reference, rows_from_csv
-from ..services import MONITORING_FIELDS
+from ..services import MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -123,8 +123,22 @@ class ReferenceField(serializers.Field):
         return value
 
 
-class VersionUploadSerializer(serializers.Serializer):
-    """A multipart upload; JSON-valued fields arrive as JSON strings."""
+PERSONAL_FIELDS_HELP = 'personal data in the signature: {input or feature name: "redact" | "hash"}'
+
+
+class ServingSettingsSerializer(serializers.ModelSerializer):
+    """A version's serving settings, the only fields of a version that may change
+    (``registry.services.SERVING_FIELDS``); their bounds are the model's."""
+
+    class Meta:
+        model = ModelVersion
+        fields = list(SERVING_FIELDS)
+        extra_kwargs = {"personal_fields": {"help_text": PERSONAL_FIELDS_HELP}}
+
+
+class VersionUploadSerializer(ServingSettingsSerializer):
+    """A multipart upload: the artifact, its signature and lineage, and the serving settings.
+    JSON-valued fields arrive as JSON strings."""
 
     artifact = serializers.FileField()
     format = serializers.ChoiceField(choices=ArtifactFormat.choices, default=ArtifactFormat.ONNX)
@@ -136,40 +150,19 @@ class VersionUploadSerializer(serializers.Serializer):
     training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
     parent = serializers.IntegerField(min_value=1, required=False)
     personal_fields = serializers.JSONField(
-        binary=True,
-        required=False,
-        help_text='personal data in the signature: {input or feature name: "redact" | "hash"}',
+        binary=True, required=False, help_text=PERSONAL_FIELDS_HELP
     )
-    description = serializers.CharField(required=False, allow_blank=True)
-    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
-    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
-    max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
-    device = serializers.ChoiceField(choices=Device.choices, required=False)
-    max_input_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    max_output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    max_streams = serializers.IntegerField(min_value=1, max_value=4096, required=False)
     reference = ReferenceField(
         required=False, help_text="a drift reference sample: JSON rows or columns, or CSV"
     )
+
+    class Meta(ServingSettingsSerializer.Meta):
+        fields = [*UPLOAD_FIELDS, *SERVING_FIELDS, "reference"]
 
     def validate_offline_metrics(self, value):
         if not isinstance(value, dict):
             raise serializers.ValidationError("must be a JSON object of metric name to value")
         return value
-
-
-class VersionUpdateSerializer(serializers.Serializer):
-    """Only serving settings may change; any other field is refused by the view."""
-
-    description = serializers.CharField(required=False, allow_blank=True)
-    personal_fields = serializers.JSONField(required=False)
-    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
-    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=1000, required=False)
-    max_queue = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
-    device = serializers.ChoiceField(choices=Device.choices, required=False)
-    max_input_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    max_output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    max_streams = serializers.IntegerField(min_value=1, max_value=4096, required=False)
 
 
 class AliasSerializer(serializers.Serializer):

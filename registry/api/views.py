@@ -22,8 +22,8 @@ from ..reference import set_reference_upload
 from .serializers import (
     ModelSerializer,
     ModelUpdateSerializer,
+    ServingSettingsSerializer,
     VersionSerializer,
-    VersionUpdateSerializer,
     VersionUploadSerializer,
 )
 
@@ -129,7 +129,7 @@ class VersionDetailView(APIView):
             VersionSerializer(version_for(model_for(request.caller.tenant_id, name), version)).data
         )
 
-    @extend_schema(request=VersionUpdateSerializer, responses=VersionSerializer)
+    @extend_schema(request=ServingSettingsSerializer, responses=VersionSerializer)
     def patch(self, request, name: str, version: int):
         found = version_for(model_for(request.caller.tenant_id, name), version)
         if not isinstance(request.data, dict):
@@ -139,7 +139,7 @@ class VersionDetailView(APIView):
             raise ValidationError(
                 {f: "model versions are immutable; this field cannot change" for f in immutable}
             )
-        changes = VersionUpdateSerializer(data=request.data, partial=True)
+        changes = ServingSettingsSerializer(data=request.data, partial=True)
         changes.is_valid(raise_exception=True)
         updated = services.update_serving_settings(found, dict(changes.validated_data))
         return Response(VersionSerializer(updated).data)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound
@@ -16,9 +15,10 @@ from registry.api.serializers import AliasSerializer
 from tenants.authentication import TenantRolePermission, actor_of
 
 from .. import actions, approvals
+from ..access import approval_for, approvals_of, plan_for
 from ..approvals import move_alias
 from ..arms import metrics_diff, plan_arm_metrics
-from ..models import ApprovalRequest, RolloutPlan
+from ..models import ApprovalRequest
 from .serializers import (
     ApprovalFilter,
     ApprovalSerializer,
@@ -36,14 +36,6 @@ def approval_response(req: ApprovalRequest) -> Response:
     """202: the change waits for an approver."""
     data = ApprovalSerializer(req, context={"with_evidence": True}).data
     return Response(data, status=status.HTTP_202_ACCEPTED)
-
-
-def _plan(request, plan_id: int) -> RolloutPlan:
-    return get_object_or_404(
-        RolloutPlan.objects.select_related("model", "baseline", "candidate"),
-        pk=plan_id,
-        model__tenant_id=request.caller.tenant_id,
-    )
 
 
 class PlanListView(APIView):
@@ -83,7 +75,7 @@ class PlanDetailView(APIView):
 
     @extend_schema(responses=PlanSerializer)
     def get(self, request, plan_id: int):
-        return Response(PlanSerializer(_plan(request, plan_id)).data)
+        return Response(PlanSerializer(plan_for(request.caller.tenant_id, plan_id)).data)
 
 
 class PlanWeightView(APIView):
@@ -97,9 +89,8 @@ class PlanWeightView(APIView):
     )
     def post(self, request, plan_id: int):
         body = validated(WeightSerializer, request.data)
-        done = approvals.change_weight(
-            _plan(request, plan_id), body["weight"], actor_of(request), body["reason"]
-        )
+        plan = plan_for(request.caller.tenant_id, plan_id)
+        done = approvals.change_weight(plan, body["weight"], actor_of(request), body["reason"])
         if isinstance(done, ApprovalRequest):
             return approval_response(done)
         return Response(PlanSerializer(done).data)
@@ -115,8 +106,9 @@ class PlanActionView(APIView):
     @extend_schema(request=ReasonSerializer, responses=PlanSerializer)
     def post(self, request, plan_id: int):
         body = validated(ReasonSerializer, request.data)
-        plan = self.change(_plan(request, plan_id), actor_of(request), body["reason"])
-        return Response(PlanSerializer(plan).data)
+        plan = plan_for(request.caller.tenant_id, plan_id)
+        changed = self.change(plan, actor_of(request), body["reason"])
+        return Response(PlanSerializer(changed).data)
 
 
 class PlanKillView(PlanActionView):
@@ -144,7 +136,7 @@ class PlanPromotionView(APIView):
     @extend_schema(request=CommentSerializer, responses={202: ApprovalSerializer})
     def post(self, request, plan_id: int):
         body = validated(CommentSerializer, request.data)
-        plan = _plan(request, plan_id)
+        plan = plan_for(request.caller.tenant_id, plan_id)
         req = approvals.request_promotion(
             plan.model,
             None,
@@ -164,7 +156,7 @@ class PlanMetricsView(APIView):
 
     @extend_schema(responses=PlanMetricsSerializer)
     def get(self, request, plan_id: int):
-        plan = _plan(request, plan_id)
+        plan = plan_for(request.caller.tenant_id, plan_id)
         since = plan.step_started_at if request.query_params.get("window") == "step" else None
         arms = plan_arm_metrics(plan, since)
         return Response({"plan": plan.pk, "arms": arms, "diff": metrics_diff(arms)})
@@ -187,19 +179,13 @@ class PromotionListView(APIView):
         return approval_response(req)
 
 
-def _requests(request):
-    return ApprovalRequest.objects.select_related(
-        "model", "plan", "from_version", "to_version"
-    ).filter(tenant_id=request.caller.tenant_id)
-
-
 class ApprovalListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[ApprovalFilter], responses=ApprovalSerializer(many=True))
     def get(self, request):
         where = validated(ApprovalFilter, request.query_params)
-        found = _requests(request)
+        found = approvals_of(request.caller.tenant_id)
         if "model" in where:
             found = found.filter(model__name=where.pop("model"))
         found = found.filter(**where)
@@ -211,7 +197,7 @@ class ApprovalDetailView(APIView):
 
     @extend_schema(responses=ApprovalSerializer)
     def get(self, request, request_id: int):
-        req = get_object_or_404(_requests(request), pk=request_id)
+        req = approval_for(request.caller.tenant_id, request_id)
         return Response(ApprovalSerializer(req, context={"with_evidence": True}).data)
 
 
@@ -225,7 +211,7 @@ class ApprovalDecisionView(APIView):
     @extend_schema(request=CommentSerializer, responses=ApprovalSerializer)
     def post(self, request, request_id: int):
         body = validated(CommentSerializer, request.data)
-        req = get_object_or_404(_requests(request), pk=request_id)
+        req = approval_for(request.caller.tenant_id, request_id)
         decided = self.decide(req, actor_of(request), body["comment"])
         return Response(ApprovalSerializer(decided, context={"with_evidence": True}).data)
 

@@ -147,7 +147,7 @@ def test_load_scales_out_idleness_scales_to_zero_and_a_cold_request_is_served(
             assert again.status_code == 200, again.text
             assert waited < HOLD_S
         reasons = backend.shell(
-            "from rollouts.models import ScalingDecision\n"
+            "from fleet.models import ScalingDecision\n"
             "print(sorted({d.reason.split(':')[0] for d in ScalingDecision.objects.all()}))"
         )
         assert "up" in reasons and "down" in reasons

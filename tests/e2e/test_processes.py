@@ -38,7 +38,7 @@ def test_celery_worker_runs_tasks_and_beat_loads_the_schedule(backend_name, tmp_
             "AgentSession.objects.filter(pk=s.pk).update("
             "last_heartbeat_at=timezone.now() - timedelta(minutes=5))"
         )
-        backend.shell("from gateway.tasks import mark_stale_agents_offline as t; t.delay()")
+        backend.shell("from fleet.tasks import mark_stale_agents_offline as t; t.delay()")
 
         def closed() -> bool:
             out = backend.shell(

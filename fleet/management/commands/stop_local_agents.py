@@ -11,6 +11,10 @@ class Command(BaseCommand):
 
     def handle(self, **options):
         # No pool token is needed to stop processes; the path is never read here.
-        backend = LocalBackend(settings.LOCAL_AGENTS_DIR, settings.PLATFORM_URL, settings.VAR_DIR)
+        backend = LocalBackend(
+            settings.SWITCHYARD_LOCAL_AGENTS_DIR,
+            settings.SWITCHYARD_PLATFORM_URL,
+            settings.SWITCHYARD_VAR_DIR,
+        )
         for name in backend.stop_all():
             self.stdout.write(f"stopped the replicas of {name}")

@@ -8,40 +8,22 @@ from urllib.parse import urlencode
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
-from monitoring.alerts import open_alerts
 from registry.access import model_for
-from rollouts.approvals import evidence_of, pending_count
-from rollouts.models import ApprovalRequest, PlanMode, RequestState, RolloutPlan
+from rollouts.access import approval_for, approvals_of, plan_for
+from rollouts.approvals import evidence_of
+from rollouts.models import PlanMode, RequestState
 from tenants.audit import audit_events
+from tenants.members import SESSION_KEY, memberships_of
 from tenants.models import AuditEvent, Role
 
-from .web_data import dashboard_snapshot, fleet_snapshot, plan_snapshot
-from .web_tenancy import SESSION_KEY, can_write, memberships_of, tenant_view
+from .pages import page, tenant_view
+from .snapshots import dashboard_snapshot, fleet_snapshot, plan_snapshot
 
 AUDIT_PAGE_SIZE = 50
 LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/", "/slo/", "/alerts/")
-
-
-def page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
-    """Render with what the layout needs: the tenant switcher, the role, the inbox count and
-    the open alerts' count."""
-    membership = request.membership
-    return render(
-        request,
-        template,
-        {
-            "membership": membership,
-            "tenant": membership.tenant,
-            "memberships": request.memberships,
-            "can_write": can_write(membership),
-            "pending_count": pending_count(membership.tenant_id),
-            "open_alert_count": open_alerts(membership.tenant_id).count(),
-            **context,
-        },
-    )
 
 
 @tenant_view
@@ -88,11 +70,7 @@ def playground(request: HttpRequest, name: str) -> HttpResponse:
 
 @tenant_view
 def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
-    plan = get_object_or_404(
-        RolloutPlan.objects.select_related("model", "baseline", "candidate", "created_by"),
-        pk=plan_id,
-        model__tenant_id=_tenant_id(request),
-    )
+    plan = plan_for(_tenant_id(request), plan_id)
     return page(
         request,
         "rollout.html",
@@ -113,9 +91,7 @@ def fleet(request: HttpRequest) -> HttpResponse:
 
 @tenant_view
 def approvals(request: HttpRequest) -> HttpResponse:
-    rows = ApprovalRequest.objects.filter(tenant_id=_tenant_id(request)).select_related(
-        "model", "from_version", "to_version"
-    )
+    rows = approvals_of(_tenant_id(request))
     return page(
         request,
         "approvals.html",
@@ -128,11 +104,7 @@ def approvals(request: HttpRequest) -> HttpResponse:
 
 @tenant_view
 def approval_detail(request: HttpRequest, approval_id: int) -> HttpResponse:
-    approval = get_object_or_404(
-        ApprovalRequest.objects.select_related("model", "plan", "from_version", "to_version"),
-        pk=approval_id,
-        tenant_id=_tenant_id(request),
-    )
+    approval = approval_for(_tenant_id(request), approval_id)
     own = approval.requested_by_id == request.user.pk
     return page(
         request,

@@ -16,10 +16,10 @@ from functools import partial
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from rollouts.models import RolloutPlan
+from rollouts.access import plans_of
+from tenants.members import current_membership
 
-from .web_data import dashboard_snapshot, plan_snapshot
-from .web_tenancy import current_membership
+from .snapshots import dashboard_snapshot, plan_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +29,8 @@ CLOSE_NO_TENANT = 4403
 CLOSE_NOT_FOUND = 4404
 
 
-def tenant_plan(tenant_id: int, plan_id: int) -> RolloutPlan | None:
-    """Every plan lookup goes through the tenant, so another tenant's plan is never found."""
-    return (
-        RolloutPlan.objects.select_related("model", "baseline", "candidate")
-        .prefetch_related("arms")
-        .filter(pk=plan_id, model__tenant_id=tenant_id)
-        .first()
-    )
-
-
 def plan_update(tenant_id: int, plan_id: int) -> dict | None:
-    plan = tenant_plan(tenant_id, plan_id)  # read afresh: state and weight move under us
+    plan = plans_of(tenant_id).filter(pk=plan_id).first()  # afresh: state and weight move
     return None if plan is None else {"type": "plan"} | plan_snapshot(plan)
 
 

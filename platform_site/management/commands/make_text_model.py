@@ -4,15 +4,15 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand
 
-from registry.textgen_train import train_text_model
+from ...demo.storyteller import train_text_model
 
 SAMPLE_PROMPT = "Call me Ishmael. "
 
 
 class Command(BaseCommand):
     help = (
-        "Train a small byte-level GPT on the public-domain text in registry/data for a time "
-        "budget on the CPU and write it as a safetensors artifact (format 'textgen')."
+        "Train a small byte-level GPT on the public-domain text in platform_site/demo/data for a "
+        "time budget on the CPU and write it as a safetensors artifact (format 'textgen')."
     )
 
     def add_arguments(self, parser):

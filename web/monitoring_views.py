@@ -21,9 +21,9 @@ from registry.access import model_for, models_of
 from registry.models import Model, ModelVersion, ReferenceSample
 from rollouts.arms import plan_arms
 from rollouts.models import ACTIVE_STATES
+from tenants.members import can_write
 
-from .web import page
-from .web_tenancy import can_write, tenant_view
+from .pages import page, tenant_view
 
 DRIFT_CHART = timedelta(hours=24)
 TRAFFIC_CHART = timedelta(hours=3)

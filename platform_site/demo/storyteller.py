@@ -1,7 +1,7 @@
 """The demo generative model: a small byte-level GPT trained on public-domain prose for a minute
 or two on the CPU (no model hub is reachable, so the platform makes its own).
 
-Plain torch, no Django: the management command ``make_text_model`` and the demo bootstrap call
+Plain torch, no Django: the management commands ``make_text_model`` and ``bootstrap_demo`` call
 ``train_text_model``.
 """
 

@@ -1,20 +1,13 @@
-"""Which tenant a signed-in user is looking at in the web UI: one of their memberships, kept in
-the session, so every page and the live socket show that tenant's data only."""
+"""Which tenant a signed-in person acts in: one of their memberships, chosen in the session (the
+web UI's tenant switcher), so every page, the live socket and the playground's generations act
+in that tenant only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
-
-from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
-
-from tenants.keys import KeyIdentity, tenant_identity
-from tenants.models import Membership, Role, Tenant
+from .keys import KeyIdentity, tenant_identity
+from .models import WRITE_ROLES, Membership, Role, Tenant
 
 SESSION_KEY = "ui_tenant_id"
-WRITE_ROLES = {Role.ENGINEER, Role.APPROVER}
 
 
 def memberships_of(user) -> list[Membership]:
@@ -37,22 +30,6 @@ def current_membership(user, session) -> Membership | None:
         if membership.tenant_id == chosen:
             return membership
     return memberships[0] if memberships else None
-
-
-def tenant_view(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Sign-in required; sets ``request.membership`` (and ``request.memberships``) or shows
-    the "no tenant" page."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        request.memberships = memberships_of(request.user)
-        request.membership = current_membership(request.user, request.session)
-        if request.membership is None:
-            return render(request, "no_tenant.html", status=403)
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 def can_write(membership: Membership) -> bool:

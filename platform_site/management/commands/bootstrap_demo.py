@@ -16,19 +16,20 @@ from django.db import transaction
 
 from fleet.models import ClusterKind, Deployment, Node, Pool
 from fleet.nodes import create_node, rotate_node_token
-from registry.demo import FEATURE_NAMES, train_fraud_model
 from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
 from tenants.audit import user_actor
 from tenants.keys import create_api_key, identify_key
 from tenants.models import Membership, Quota, Role, Tenant
 
+from ...demo.fraud import FEATURE_NAMES, train_fraud_model
+
 
 class Command(BaseCommand):
     help = "Create the demo tenant, key, node and fraud model (idempotent)."
 
     def handle(self, **options):
-        path = settings.VAR_DIR / "demo.json"
+        path = settings.SWITCHYARD_VAR_DIR / "demo.json"
         saved = json.loads(path.read_text()) if path.exists() else {}
         with transaction.atomic():
             creds = self._bootstrap(saved)
@@ -47,7 +48,7 @@ class Command(BaseCommand):
             return
         seconds = float(os.environ.get("SWITCHYARD_DEMO_TEXT_SECONDS", "90"))
         self.stdout.write(f"training the demo text model for {seconds:g} s…")
-        from registry.textgen_train import train_text_model  # torch training: only here
+        from ...demo.storyteller import train_text_model  # torch training: only here
 
         data, details = train_text_model(seconds=seconds)
         version = create_version(

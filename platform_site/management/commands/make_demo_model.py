@@ -4,7 +4,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand
 
-from registry.demo import train_fraud_model
+from ...demo.fraud import train_fraud_model
 
 
 class Command(BaseCommand):

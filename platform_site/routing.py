@@ -1,12 +1,13 @@
+"""The websocket routes: the agents' socket, the generation stream and the web UI's live socket."""
+
 from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
+from gateway.consumers import AgentConsumer
+from gateway.generate_ws import GenerateConsumer
 from serving_agent.protocol import AGENT_WS_PATH
-
-from .consumers import AgentConsumer
-from .generate_ws import GenerateConsumer
-from .live import LiveConsumer
+from web.live import LiveConsumer
 
 websocket_urlpatterns = [
     path(AGENT_WS_PATH.lstrip("/"), AgentConsumer.as_asgi()),

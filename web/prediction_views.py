@@ -15,8 +15,7 @@ from monitoring.models import PredictionLog
 from monitoring.quality import BUCKETS, logged_predictions, online_quality
 from registry.access import model_for
 
-from .web import page
-from .web_tenancy import tenant_view
+from .pages import page, tenant_view
 
 PAGE_SIZE = 50
 QUALITY_WINDOW = {"hour": timedelta(hours=48), "day": timedelta(days=30)}

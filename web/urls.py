@@ -1,0 +1,36 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from . import monitoring_views, prediction_views, views
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
+    path("tenant/", views.switch_tenant, name="switch-tenant"),
+    path("models/<str:name>/", views.model_detail, name="model"),
+    path("models/<str:name>/playground/", views.playground, name="playground"),
+    path("rollouts/<int:plan_id>/", views.rollout_detail, name="rollout"),
+    path("fleet/", views.fleet, name="fleet"),
+    path("approvals/", views.approvals, name="approvals"),
+    path("approvals/<int:approval_id>/", views.approval_detail, name="approval"),
+    path("audit/", views.audit, name="audit"),
+]
+
+# The prediction log and online quality of a model (web.prediction_views).
+urlpatterns += [
+    path("models/<str:name>/predictions/", prediction_views.model_predictions, name="predictions"),
+]
+
+# Drift, SLOs and alerts (web.monitoring_views).
+urlpatterns += [
+    path("models/<str:name>/drift/", monitoring_views.drift, name="drift"),
+    path("models/<str:name>/drift/data/", monitoring_views.drift_data, name="drift-data"),
+    path("slo/", monitoring_views.slo, name="slo"),
+    path("slo/data/", monitoring_views.slo_data, name="slo-data"),
+    path("alerts/", monitoring_views.alerts, name="alerts"),
+]
