@@ -23,9 +23,12 @@ up: install
 test: install
 	bash scripts/test.sh
 
+# Style, the import layers (pyproject's import-linter contracts) and the type check.
 lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/lint-imports
+	.venv/bin/mypy
 
 migrations-check: install
 	$(PY) manage.py makemigrations --check --dry-run
