@@ -4,13 +4,16 @@ Celery, each on a backend: the embedded default (SQLite, no Redis) or PostgreSQL
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,21 +73,60 @@ def _base_env(var_dir: Path) -> dict[str, str]:
     return env
 
 
+# A migrate takes seconds and dozens of backends are made per run: each kind of backend is
+# migrated once per test session, and every backend starts from a copy of that database.
+_migrated: dict[str, str] = {}
+
+
 def embedded_backend(tmp: Path) -> Backend:
-    backend = Backend("embedded", _base_env(tmp), tmp)
-    backend.manage("migrate", "--noinput", "-v0")
-    return backend
+    """A fresh SQLite database of its own (a copy of one migrated for the session)."""
+    if "embedded" not in _migrated:
+        template_dir = Path(tempfile.mkdtemp(prefix="sy-e2e-migrated-"))
+        Backend("embedded", _base_env(template_dir), template_dir).manage(
+            "migrate", "--noinput", "-v0"
+        )
+        _migrated["embedded"] = str(template_dir / "switchyard.sqlite3")
+        atexit.register(shutil.rmtree, template_dir, True)
+    shutil.copyfile(_migrated["embedded"], tmp / "switchyard.sqlite3")
+    return Backend("embedded", _base_env(tmp), tmp)
+
+
+def _admin_url() -> str:
+    return os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
+
+
+def _migrated_postgres(tmp: Path) -> str:
+    """The name of a PostgreSQL database migrated once for the session, to copy from."""
+    import psycopg
+
+    if "services" not in _migrated:
+        admin_url = _admin_url()
+        name = f"sy_e2e_migrated_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        env = _base_env(tmp) | {"DATABASE_URL": f"{admin_url.rsplit('/', 1)[0]}/{name}"}
+        Backend("services", env, tmp).manage("migrate", "--noinput", "-v0")
+        _migrated["services"] = name
+
+        def drop() -> None:
+            with psycopg.connect(admin_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+        atexit.register(drop)
+    return _migrated["services"]
 
 
 def services_backend(tmp: Path) -> Backend:
-    """A fresh PostgreSQL database and a flushed Redis database of their own."""
+    """A fresh PostgreSQL database (a copy of one migrated for the session) and a flushed Redis
+    database of their own."""
     import psycopg
     import redis
 
-    admin_url = os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
+    admin_url = _admin_url()
+    template = _migrated_postgres(tmp)
     name = f"sy_e2e_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     base = admin_url.rsplit("/", 1)[0]
     redis_base = os.environ["REDIS_URL"].rsplit("/", 1)[0]
     redis_url = f"{redis_base}/{next(_redis_db)}"
@@ -98,7 +140,6 @@ def services_backend(tmp: Path) -> Backend:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     backend.cleanup.append(drop)
-    backend.manage("migrate", "--noinput", "-v0")
     return backend
 
 
