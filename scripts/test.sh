@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# Run the test suite twice over:
-#  1. against PostgreSQL + Redis (DATABASE_URL / REDIS_URL, or the local servers on 127.0.0.1),
-#     everything including the end-to-end tests, which start real processes on both backends;
-#  2. on the embedded default (SQLite, no Redis), the unit and API tests.
-# Without reachable PostgreSQL/Redis, only the embedded pass runs, with every test in it.
+# The test suite, each test run once where the backend does not matter:
+#  1. unit and API tests on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, or the local servers
+#     on 127.0.0.1), on two workers;
+#  2. the end-to-end tests, which start real processes and run every platform they start on
+#     both backends: the embedded default (SQLite, no Redis) and PostgreSQL + Redis;
+#  3. on the embedded default again, the tests marked `backends`: those where the database's
+#     or Redis's own behaviour matters (see the README).
+# Without reachable PostgreSQL/Redis everything runs once, on the embedded default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+WORKERS="${TEST_WORKERS:-2}"
+embedded() { (unset DATABASE_URL REDIS_URL; SWITCHYARD_VAR_DIR="$(mktemp -d)" && export SWITCHYARD_VAR_DIR && "$@"); }
+# pytest exits 5 when a pass selects no test (e.g. `make test ARGS=tests/test_keys.py` has no
+# end-to-end test): that pass has nothing to say.
+pytest() { "$PY" -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
 
 if $PY scripts/services_up.py; then
-  echo "== PostgreSQL + Redis: $DATABASE_URL $REDIS_URL"
-  $PY -m pytest "$@"
-  echo "== embedded default (SQLite, in-process layers)"
-  env -u DATABASE_URL -u REDIS_URL SWITCHYARD_VAR_DIR="$(mktemp -d)" $PY -m pytest -m "not e2e" "$@"
+  echo "== unit and API tests: PostgreSQL + Redis ($DATABASE_URL $REDIS_URL)"
+  pytest -m "not e2e" -n "$WORKERS" "$@"
+  echo "== end-to-end tests: real processes on the embedded default and on PostgreSQL + Redis"
+  pytest -m e2e "$@"
+  echo "== where the backend matters, again on the embedded default (SQLite, in-process layers)"
+  embedded pytest -m "backends and not e2e" -n "$WORKERS" "$@"
 else
-  echo "== PostgreSQL/Redis not reachable: embedded default only"
-  env -u DATABASE_URL -u REDIS_URL SWITCHYARD_VAR_DIR="$(mktemp -d)" $PY -m pytest "$@"
+  echo "== PostgreSQL/Redis not reachable: everything on the embedded default"
+  embedded pytest -m "not e2e" -n "$WORKERS" "$@"
+  embedded pytest -m e2e "$@"
 fi

@@ -17,6 +17,8 @@ from monitoring.models import Alert
 from tenants.models import AuditEvent
 from tests.factories import make_member, make_model
 
+pytestmark = pytest.mark.backends
+
 
 class Receiver:
     """A webhook receiver on 127.0.0.1: records every POST and answers the next status of

@@ -19,6 +19,8 @@ from tenants.models import AuditEvent, Role
 from tests.factories import make_key, make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 GUARDRAILS = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 200}
 
 

@@ -1,11 +1,14 @@
 """The demo bootstrap: idempotent, and the autoscaled model is left to the control loop."""
 
+import pytest
 from django.core.management import call_command
 
 from fleet.assignments import assignment_for
 from fleet.models import Deployment, Node
 from registry.models import Model
 from tests.factories import make_session
+
+pytestmark = pytest.mark.backends
 
 
 def test_bootstrap_demo_twice_sets_up_an_autoscaled_deployment(db, monkeypatch):

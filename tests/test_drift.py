@@ -33,6 +33,8 @@ from tenants.models import AuditEvent
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 FEATURES = ["age", "income", "plan", "clicks"]
 PLANS = ["free", "pro", "team"]
 ACTOR = Actor(None, "test")

@@ -16,6 +16,8 @@ from registry.models import TaskKind
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 
 def key_client(key: str) -> APIClient:
     client = APIClient()

@@ -86,7 +86,7 @@ def make_textgen(model, alias: str | None = "production", **limits) -> ModelVers
 
 
 # The consumers reach the database from worker threads: committed data, real connections.
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends]
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from tenants.models import AuditEvent, Role
 from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 RAILS = {"max_error_rate_increase": 0.01, "max_p99_ratio": 2.0, "min_samples": 100}
 
 

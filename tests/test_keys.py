@@ -1,6 +1,10 @@
+import pytest
+
 from tenants.keys import identify_key, revoke_api_key
 from tenants.models import ApiKey
 from tests.factories import make_key, make_tenant
+
+pytestmark = pytest.mark.backends
 
 
 def test_key_is_stored_only_as_a_hash(db):

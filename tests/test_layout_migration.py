@@ -9,6 +9,8 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
+pytestmark = pytest.mark.backends
+
 # The last migration of each app before the split; the new apps did not exist.
 OLD_LAYOUT = [
     ("tenants", "0004_observability"),

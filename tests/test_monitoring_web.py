@@ -23,6 +23,8 @@ from tenants.audit import Actor
 from tests.factories import make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 RAILS = {"max_error_rate_increase": 0.01, "max_p99_ratio": 2.0, "min_samples": 100}
 COUNTRIES = ["de", "fr", "us"]
 

@@ -7,6 +7,7 @@ import json
 import re
 from datetime import timedelta
 
+import pytest
 from django.contrib.staticfiles import finders
 from django.test import Client
 from django.utils import timezone
@@ -15,6 +16,8 @@ from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 from tests.test_feedback import label, make_log
 from web.prediction_views import PAGE_SIZE
+
+pytestmark = pytest.mark.backends
 
 
 def signed_in(user) -> Client:

@@ -26,6 +26,8 @@ from monitoring.tasks import purge_prediction_logs
 from registry.models import TaskKind
 from tests.factories import make_model, make_version
 
+pytestmark = pytest.mark.backends
+
 KEY = b"test-key"
 FEATURES = ("amount", "hour", "merchant_risk", "account_age_days")
 

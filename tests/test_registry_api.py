@@ -10,6 +10,8 @@ from rest_framework.test import APIClient
 from registry.models import ImmutableVersionError, ModelVersion
 from tests.factories import make_model, make_version
 
+pytestmark = pytest.mark.backends
+
 
 def client_with_key(key: str) -> APIClient:
     client = APIClient()

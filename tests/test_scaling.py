@@ -16,6 +16,8 @@ from fleet.scaling import apply_decision, policy_of
 from tests.factories import make_model, make_version
 from tests.kube_fake import FakeKube, FakeKubeServer
 
+pytestmark = pytest.mark.backends
+
 NS = "ml"
 
 

@@ -16,6 +16,8 @@ from monitoring.traffic import Counts
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 
+pytestmark = pytest.mark.backends
+
 
 def sample(version, at, ok_ms: dict[float, int], errors: int = 0) -> TrafficSample:
     """One gateway flush: ``ok_ms`` maps a latency (ms) to how many requests took it; the
