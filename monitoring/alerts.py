@@ -193,7 +193,8 @@ def private_destination(url: str) -> str | None:
         return None
     host = urlsplit(url).hostname or ""
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        # An IPv4 or IPv6 entry's address is a string (the stubs allow other families' ints).
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except OSError as exc:
         return f"webhook host {host!r} does not resolve: {exc}"
     for address in addresses:

@@ -121,12 +121,24 @@ class Profile:
     values: np.ndarray | list[str]  # floats (numeric) or category labels (categorical)
 
     @property
+    def numbers(self) -> np.ndarray:
+        """A numeric profile's values."""
+        assert isinstance(self.values, np.ndarray), "a categorical profile has no numbers"
+        return self.values
+
+    @property
+    def labels(self) -> list[str]:
+        """A categorical profile's values."""
+        assert isinstance(self.values, list), "a numeric profile has no category labels"
+        return self.values
+
+    @property
     def low(self) -> float:
-        return float(np.min(self.values))
+        return float(np.min(self.numbers))
 
     @property
     def high(self) -> float:
-        return float(np.max(self.values))
+        return float(np.max(self.numbers))
 
 
 def profile(values: list) -> Profile | None:
@@ -170,12 +182,12 @@ def compare(ref: Profile, valid: list, threshold: float) -> dict:
         return entry | {"psi": None, "flagged": False}
     if ref.kind == "numeric":
         current = np.asarray(valid, dtype=float)
-        edges = bin_edges(ref.values)
-        r, c = bin_shares(ref.values, edges), bin_shares(current, edges)
-        statistic, pvalue = ks(ref.values, current)
+        edges = bin_edges(ref.numbers)
+        r, c = bin_shares(ref.numbers, edges), bin_shares(current, edges)
+        statistic, pvalue = ks(ref.numbers, current)
         entry |= {"ks": statistic, "ks_pvalue": pvalue, "edges": edges.tolist()}
     else:
-        names, r, c = category_shares(ref.values, [category(v) for v in valid])
+        names, r, c = category_shares(ref.labels, [category(v) for v in valid])
         entry |= {"distance": float(jensenshannon(r, c, base=2)), "categories": names}
     value = psi_of_shares(r, c)
     return entry | {
@@ -449,17 +461,22 @@ def set_reference_window(
 def reference_summary(sample: ReferenceSample) -> dict[str, dict]:
     """Per feature of a reference: kind, type, non-null count, nulls, and range or top
     categories (what the API's GET shows)."""
-    summary = {}
+    summary: dict[str, dict[str, Any]] = {}
     for name, values in sample.columns.items():
         ref = profile(values)
         nulls = sum(value_type(v) is None for v in values)
         if ref is None:
             summary[name] = {"kind": None, "values": 0, "nulls": nulls}
             continue
-        entry = {"kind": ref.kind, "type": ref.type, "values": len(ref.values), "nulls": nulls}
+        entry: dict[str, Any] = {
+            "kind": ref.kind,
+            "type": ref.type,
+            "values": len(ref.values),
+            "nulls": nulls,
+        }
         if ref.kind == "numeric":
-            entry |= {"min": ref.low, "max": ref.high, "mean": float(np.mean(ref.values))}
+            entry |= {"min": ref.low, "max": ref.high, "mean": float(np.mean(ref.numbers))}
         else:
-            entry |= {"categories": dict(Counter(ref.values).most_common(MAX_CATEGORIES))}
+            entry |= {"categories": dict(Counter(ref.labels).most_common(MAX_CATEGORIES))}
         summary[name] = entry
     return summary

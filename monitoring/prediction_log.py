@@ -124,10 +124,10 @@ def purge_expired_logs(now: datetime | None = None) -> dict[str, int]:
     feedback = 0
     for tenant_id in Feedback.objects.order_by().values_list("tenant_id", flat=True).distinct():
         days = longest.get(tenant_id, default_days)
-        expired = Feedback.objects.filter(
+        stale = Feedback.objects.filter(
             tenant_id=tenant_id, received_at__lt=now - timedelta(days=days)
         )
-        feedback += _delete_in_chunks(expired)
+        feedback += _delete_in_chunks(stale)
     return {"prediction_logs": logs, "feedback": feedback}
 
 

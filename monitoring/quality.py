@@ -95,7 +95,7 @@ def logged_predictions(
 # Metrics -------------------------------------------------------------------------------------
 
 
-def auc(scores: Sequence[float], labels: Sequence[int]) -> float | None:
+def auc(scores: Sequence[float], labels: Sequence[float]) -> float | None:
     """Area under the ROC curve by the Mann–Whitney U statistic: the chance that a random
     positive scores above a random negative (ties count one half). None without both classes."""
     y = np.asarray(labels, dtype=bool)

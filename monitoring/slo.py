@@ -21,6 +21,7 @@ hours); the short window makes the alert stop soon after the burning does.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -105,8 +106,9 @@ def burn_rate(tally: WindowCounts, sli: str, objective: float) -> float:
     return 0.0 if share is None else share / (1.0 - objective)
 
 
-def alert_level(burn: dict[str, float]) -> tuple[str, str, str, float] | None:
-    """The first multi-window rule whose both windows burn past its rate, else None."""
+def alert_level(burn: dict[str, float]) -> tuple[str, str, float, str] | None:
+    """The first multi-window rule whose both windows burn past its rate, else None:
+    ``(long window, short window, rate, severity)``."""
     for long, short, rate, severity in ALERT_RULES:
         if burn[long] > rate and burn[short] > rate:
             return long, short, rate, severity
@@ -212,7 +214,7 @@ def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HO
     return series
 
 
-def _sum(tallies) -> WindowCounts:
+def _sum(tallies: Iterable[WindowCounts | None]) -> WindowCounts:
     requests = errors = fast = 0
     for t in tallies:
         if t is not None:

@@ -1,7 +1,7 @@
 """Celery tasks of monitoring: each takes ids (or nothing) and calls one domain function."""
 
 import httpx
-from celery import shared_task
+from celery import Task, shared_task
 from django.conf import settings
 
 from . import alerts, drift, prediction_log, slo
@@ -32,7 +32,7 @@ def purge_prediction_logs() -> dict[str, int]:
 
 
 @shared_task(bind=True, max_retries=5)
-def deliver_alert(self, alert_id: int) -> None:
+def deliver_alert(self: Task, alert_id: int) -> None:
     """Post an alert to its tenant's webhook, retrying with exponential backoff; after the
     last try the alert is marked "failed" (it stays in the UI either way)."""
     try:

@@ -6,6 +6,7 @@ request path), and summed over windows (``ArmStats``) for guardrails, evidence, 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -111,7 +112,7 @@ class ArmStats:
         }
 
 
-def _sum_buckets(rows) -> tuple[int, ...]:
+def _sum_buckets(rows: Iterable[Sequence[int]]) -> tuple[int, ...]:
     buckets = [0] * N_BUCKETS
     for sample in rows:
         for i, count in enumerate(sample):

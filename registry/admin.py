@@ -1,7 +1,12 @@
 """Admin for models, versions (uploaded through the same checks as the API) and aliases."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from django import forms
 from django.contrib import admin
+from django.http import HttpRequest
 
 from .models import Alias, Model, ModelVersion
 from .services import (
@@ -24,6 +29,7 @@ class VersionUploadForm(forms.ModelForm):
     """On creation: the artifact is hashed and its signature read and checked."""
 
     upload = forms.FileField(help_text="ONNX file", required=True)
+    created: ModelVersion  # set by clean(): the version the upload became
 
     class Meta:
         model = ModelVersion
@@ -38,8 +44,9 @@ class VersionUploadForm(forms.ModelForm):
             *SERVING_FIELDS,
         ]
 
-    def clean(self):
-        data = super().clean()
+    def clean(self) -> dict[str, Any]:
+        super().clean()
+        data = self.cleaned_data
         model = data.get("model")
         upload = data.get("upload")
         if model is None or upload is None:
@@ -57,7 +64,7 @@ class VersionUploadForm(forms.ModelForm):
 class VersionChangeForm(forms.ModelForm):
     """On a change: only the serving settings, checked as the API checks them."""
 
-    def clean_personal_fields(self):
+    def clean_personal_fields(self) -> dict[str, str]:
         value = self.cleaned_data["personal_fields"]
         try:
             return check_personal_fields(self.instance, value)
@@ -71,27 +78,42 @@ class ModelVersionAdmin(admin.ModelAdmin):
     list_filter = ["model__tenant", "format"]
     editable = SERVING_FIELDS
 
-    def get_form(self, request, obj=None, **kwargs):
+    def get_form(
+        self,
+        request: HttpRequest,
+        obj: ModelVersion | None = None,
+        change: bool = False,
+        **kwargs: Any,
+    ) -> type[forms.ModelForm[ModelVersion]]:
         kwargs["form"] = VersionUploadForm if obj is None else VersionChangeForm
-        return super().get_form(request, obj, **kwargs)
+        return super().get_form(request, obj, change, **kwargs)
 
-    def get_fields(self, request, obj=None):
+    def get_fields(self, request: HttpRequest, obj: ModelVersion | None = None) -> tuple[str, ...]:
         if obj is None:
-            return VersionUploadForm.Meta.fields
-        return [f.name for f in ModelVersion._meta.fields if f.name != "id"]
+            return tuple(VersionUploadForm.Meta.fields)
+        return tuple(f.name for f in ModelVersion._meta.fields if f.name != "id")
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ModelVersion | None = None
+    ) -> list[str]:
         if obj is None:
             return []
         return [f.name for f in ModelVersion._meta.fields if f.name not in self.editable]
 
-    def save_model(self, request, obj, form, change):
+    def save_model(
+        self,
+        request: HttpRequest,
+        obj: ModelVersion,
+        form: VersionUploadForm | VersionChangeForm,
+        change: bool,
+    ) -> None:
         if change:
             # Through the same checks as the API (personal fields name real inputs).
             update_serving_settings(obj, {f: form.cleaned_data[f] for f in form.changed_data})
             return
+        assert isinstance(form, VersionUploadForm)  # get_form() gives a new version this form
         created = form.created
-        created.created_by = request.user
+        created.created_by_id = request.user.pk
         created.save(update_fields=["created_by"])
         obj.pk = created.pk
 
@@ -102,6 +124,8 @@ class AliasAdmin(admin.ModelAdmin):
     list_filter = ["model__tenant"]
     readonly_fields = ["updated_by", "updated_at"]
 
-    def save_model(self, request, obj, form, change):
-        obj.updated_by = request.user
+    def save_model(
+        self, request: HttpRequest, obj: Alias, form: forms.ModelForm[Alias], change: bool
+    ) -> None:
+        obj.updated_by_id = request.user.pk
         super().save_model(request, obj, form, change)

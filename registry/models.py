@@ -3,6 +3,8 @@ reference sample for drift."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
@@ -169,7 +171,7 @@ class ModelVersion(models.Model):
     def __str__(self) -> str:
         return f"{self.model} v{self.version}"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if self.pk is not None:
             self.check_unchanged()
         super().save(*args, **kwargs)

@@ -198,7 +198,7 @@ def save_reference(
 
 def _audit_view(sample: ReferenceSample) -> dict:
     view = {"source": sample.source, "rows": sample.rows, "features": sorted(sample.columns)}
-    if sample.window_start:
+    if sample.window_start and sample.window_end:  # a window's reference has both
         view |= {"window_start": sample.window_start.isoformat()}
         view |= {"window_end": sample.window_end.isoformat()}
     return view

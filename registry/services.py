@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import Max, QuerySet
@@ -71,7 +72,7 @@ def create_version(
     inputs: Any = None,
     outputs: Any = None,
     feature_names: list[str] | None = None,
-    created_by=None,
+    created_by: User | None = None,
     format: str = ArtifactFormat.ONNX,
     **details: Any,
 ) -> ModelVersion:

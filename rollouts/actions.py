@@ -177,7 +177,7 @@ def resume(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:
     return _switch(plan, actor, reason or "resumed", PlanState.PAUSED, PlanState.RUNNING)
 
 
-def _switch(plan: RolloutPlan, actor: Actor, reason: str, source: str, target: str):
+def _switch(plan: RolloutPlan, actor: Actor, reason: str, source: str, target: str) -> RolloutPlan:
     with transaction.atomic():
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if locked.state != source:

@@ -1,7 +1,10 @@
 """Admin for rollout plans and approval requests: read-only, since changes go through the API's
 actions (role, four-eyes rule, row locks, audit)."""
 
+from __future__ import annotations
+
 from django.contrib import admin
+from django.http import HttpRequest
 
 from .models import ApprovalRequest, PlanArm, RolloutPlan
 
@@ -19,10 +22,12 @@ class RolloutPlanAdmin(admin.ModelAdmin):
     list_filter = ["mode", "state", "model__tenant"]
     inlines = [PlanArmInline]
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: RolloutPlan | None = None
+    ) -> list[str]:
         return [f.name for f in RolloutPlan._meta.fields]
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
 
@@ -35,11 +40,15 @@ class ApprovalRequestAdmin(admin.ModelAdmin):
     list_filter = ["state", "kind", "tenant"]
     search_fields = ["model__name", "requested_label", "decided_label", "comment"]
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ApprovalRequest | None = None
+    ) -> list[str]:
         return [f.name for f in ApprovalRequest._meta.fields]
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_delete_permission(self, request, obj=None):
+    def has_delete_permission(
+        self, request: HttpRequest, obj: ApprovalRequest | None = None
+    ) -> bool:
         return False

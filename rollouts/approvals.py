@@ -14,7 +14,7 @@ approvals racing each other or a rollback end in exactly one transition; the los
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -183,7 +183,7 @@ def _decide(req: ApprovalRequest, actor: Actor, comment: str, approved: bool) ->
     return locked
 
 
-def _check_still_holds(req: ApprovalRequest, plan: RolloutPlan | None, current: int | None):
+def _check_still_holds(req: ApprovalRequest, plan: RolloutPlan | None, current: int | None) -> None:
     """What was asked is still what would happen: else approving it would approve something
     nobody looked at."""
     if plan is not None:
@@ -198,6 +198,8 @@ def _check_still_holds(req: ApprovalRequest, plan: RolloutPlan | None, current: 
 def _carry_out(req: ApprovalRequest, plan: RolloutPlan | None, actor: Actor, comment: str) -> str:
     reason = f"approved request #{req.pk}" + (f": {comment}" if comment else "")
     if req.kind == RequestKind.WEIGHT:
+        # change_weight() opens weight requests only on a plan, with the weight asked for.
+        assert plan is not None and req.weight is not None
         actions.set_weight(plan, req.weight, actor, reason)
         return RequestState.APPLIED
     if plan is None:
@@ -236,7 +238,7 @@ def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
         return False, note
 
 
-def online_quality_evidence(req: ApprovalRequest, since) -> dict[str, dict]:
+def online_quality_evidence(req: ApprovalRequest, since: datetime) -> dict[str, dict]:
     """Both versions' online quality from ground-truth feedback since ``since``."""
     pairs = [("baseline", req.from_version_id), ("candidate", req.to_version_id)]
     ids = [vid for _, vid in pairs if vid is not None]

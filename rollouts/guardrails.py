@@ -132,7 +132,8 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     baked = (now - plan.step_started_at).total_seconds() >= plan.bake_seconds
     limit = drift_limit_of(plan)
     drift = latest_report(plan.candidate_id, plan.created_at) if limit is not None else None
-    last_step = next_weight(plan) is None
+    step = next_weight(plan)
+    last_step = step is None
     quality = None
     if plan.guardrails.get("max_quality_drop") is not None:
         measured = quality_by_version([plan.baseline_id, plan.candidate_id], plan.created_at)
@@ -141,7 +142,8 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     if verdict.action == "rollback":
         actions.rollback(plan, GUARDRAILS, verdict.reason)
     elif verdict.action == "advance":
-        actions.set_weight(plan, next_weight(plan), GUARDRAILS, verdict.reason)
+        assert step is not None  # judge() advances only below the last step
+        actions.set_weight(plan, step, GUARDRAILS, verdict.reason)
     elif verdict.action == "promote":
         # Promotion moves a protected alias: it needs an approver's yes (asked for once).
         promoted, note = promote_when_approved(plan, verdict.reason)

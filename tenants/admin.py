@@ -1,7 +1,12 @@
 """Admin for tenants, members, quotas, API keys (a new key is shown once, at creation) and the
 read-only audit log."""
 
+from __future__ import annotations
+
+from django import forms
 from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
 from .audit import user_actor
 from .keys import create_api_key, revoke_api_key
@@ -35,11 +40,15 @@ class ApiKeyAdmin(admin.ModelAdmin):
     fields = ["tenant", "name", *readonly_fields]
     actions = ["revoke"]
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ApiKey | None = None
+    ) -> list[str] | tuple[str, ...]:
         # The tenant of an existing key never changes: that would move its access.
         return [*self.readonly_fields, "tenant"] if obj else self.readonly_fields
 
-    def save_model(self, request, obj, form, change):
+    def save_model(
+        self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm[ApiKey], change: bool
+    ) -> None:
         if change:
             super().save_model(request, obj, form, change)
             return
@@ -51,7 +60,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         )
 
     @admin.action(description="Revoke selected keys")
-    def revoke(self, request, queryset):
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset:
             revoke_api_key(key, user_actor(request.user))
         messages.success(request, f"Revoked {queryset.count()} key(s).")
@@ -69,11 +78,11 @@ class AuditEventAdmin(admin.ModelAdmin):
     list_filter = ["tenant", "action"]
     search_fields = ["target", "actor_label", "reason"]
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None):
+    def has_change_permission(self, request: HttpRequest, obj: AuditEvent | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request, obj=None):
+    def has_delete_permission(self, request: HttpRequest, obj: AuditEvent | None = None) -> bool:
         return False

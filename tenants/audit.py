@@ -7,7 +7,10 @@ but the audit model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import AnonymousUser
 from django.db.models import Q, QuerySet
 
 from .models import AuditEvent
@@ -30,8 +33,8 @@ def audit(
     actor: Actor,
     action: str,
     target: str,
-    before=None,
-    after=None,
+    before: dict[str, Any] | None = None,
+    after: dict[str, Any] | None = None,
     reason: str = "",
 ) -> AuditEvent:
     return AuditEvent.objects.create(
@@ -46,12 +49,12 @@ def audit(
     )
 
 
-def user_actor(user, role: str = "") -> Actor:
+def user_actor(user: AbstractBaseUser | AnonymousUser, role: str = "") -> Actor:
     """A signed-in person acting (the admin, the web UI, the API with a session)."""
     return Actor(user.pk, user.get_username(), role)
 
 
-def audit_events(tenant_id: int, where: dict) -> QuerySet[AuditEvent]:
+def audit_events(tenant_id: int, where: dict[str, Any]) -> QuerySet[AuditEvent]:
     """The tenant's audit events, newest first, filtered as the API and the UI allow."""
     events = AuditEvent.objects.filter(tenant_id=tenant_id)
     if where.get("action"):

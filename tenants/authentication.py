@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
+from rest_framework.request import Request
 
 from platform_site.tokens import bearer
 
 from .audit import Actor
 from .keys import KeyIdentity, identify_key
 from .models import WRITE_ROLES, ApiKey, Membership, Role
+
+if TYPE_CHECKING:
+    # Only for annotations: DRF's settings import this module while rest_framework.views loads.
+    from rest_framework.views import APIView
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class KeyPrincipal:
 class ApiKeyAuthentication(authentication.BaseAuthentication):
     """``Authorization: Bearer sy_…``: the control-plane API (not the hot path) checks the DB."""
 
-    def authenticate(self, request):
+    def authenticate(self, request: Request) -> tuple[KeyPrincipal, KeyIdentity] | None:
         raw = bearer(request.META.get("HTTP_AUTHORIZATION"))
         if raw is None:
             return None
@@ -40,7 +46,7 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         ApiKey.objects.filter(pk=identity.key_id).update(last_used_at=timezone.now())
         return KeyPrincipal(identity), identity
 
-    def authenticate_header(self, request) -> str:
+    def authenticate_header(self, request: Request) -> str:
         return "Bearer"
 
 
@@ -51,7 +57,14 @@ class Caller:
     user_id: int | None
 
 
-def caller_of(request) -> Caller:
+class CallerRequest(Request):
+    """For type checking only: a request that passed ``TenantRolePermission``, which sets
+    ``caller`` on it. Views behind that permission take their request as this type."""
+
+    caller: Caller
+
+
+def caller_of(request: Request) -> Caller:
     """The tenant and role a request acts as; API keys act as engineers of their tenant.
 
     A signed-in user acts in the tenant named by the ``X-Tenant`` header (a slug), or in their
@@ -60,6 +73,9 @@ def caller_of(request) -> Caller:
     user = request.user
     if isinstance(user, KeyPrincipal):
         return Caller(user.identity.tenant_id, Role.ENGINEER, None)
+    if not user or not user.is_authenticated:
+        # No credentials (DRF leaves the user None): refused like a user of no tenant.
+        raise exceptions.PermissionDenied("you are not a member of this tenant")
     memberships = Membership.objects.filter(user=user).select_related("tenant")
     slug = request.headers.get("X-Tenant")
     if slug:
@@ -79,13 +95,14 @@ class TenantRolePermission(permissions.BasePermission):
 
     message = "your role in this tenant does not allow changes"
 
-    def has_permission(self, request, view) -> bool:
+    def has_permission(self, request: Request, view: APIView) -> bool:
         caller = caller_of(request)
-        request.caller = caller
+        # From here on the views read this request as a CallerRequest.
+        cast(CallerRequest, request).caller = caller
         return request.method in permissions.SAFE_METHODS or caller.role in WRITE_ROLES
 
 
-def actor_of(request) -> Actor:
+def actor_of(request: CallerRequest) -> Actor:
     """The caller as an actor: a user with their tenant role, or an API key (no user)."""
     caller = request.caller
     label = str(request.user) if caller.user_id is None else request.user.get_username()

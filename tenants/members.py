@@ -4,13 +4,18 @@ in that tenant only."""
 
 from __future__ import annotations
 
+from django.contrib.auth.models import AnonymousUser, User
+from django.contrib.sessions.backends.base import SessionBase
+
 from .keys import KeyIdentity, tenant_identity
 from .models import WRITE_ROLES, Membership, Role, Tenant
 
 SESSION_KEY = "ui_tenant_id"
 
 
-def memberships_of(user) -> list[Membership]:
+def memberships_of(user: User | AnonymousUser) -> list[Membership]:
+    if not user.is_authenticated:
+        return []  # a visitor who has not signed in acts in no tenant
     memberships = list(
         Membership.objects.filter(user=user).select_related("tenant").order_by("tenant__slug")
     )
@@ -22,7 +27,7 @@ def memberships_of(user) -> list[Membership]:
     return memberships
 
 
-def current_membership(user, session) -> Membership | None:
+def current_membership(user: User | AnonymousUser, session: SessionBase) -> Membership | None:
     """The membership chosen in the session, else the user's first; None without any."""
     memberships = memberships_of(user)
     chosen = session.get(SESSION_KEY)
@@ -36,7 +41,7 @@ def can_write(membership: Membership) -> bool:
     return membership.role in WRITE_ROLES
 
 
-def session_identity(user, session) -> KeyIdentity | None:
+def session_identity(user: User | AnonymousUser, session: SessionBase) -> KeyIdentity | None:
     """The data-path identity of a signed-in user acting in their session's tenant (the UI's
     playground): the tenant's quota, as one of its API keys would carry it."""
     membership = current_membership(user, session)

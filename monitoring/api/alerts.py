@@ -4,17 +4,20 @@ them nor see the webhook URL (a Slack webhook URL is itself a credential)."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from django.core.validators import URLValidator
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.parsers import JSONParser
+from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
-from tenants.authentication import TenantRolePermission, actor_of
+from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 from tenants.models import WRITE_ROLES, Tenant
 
 from ..alerts import alert_for, alerts_of, resolve_by_hand, set_webhook_url
@@ -75,7 +78,7 @@ class AlertSettingsSerializer(serializers.Serializer):
 # Views ---------------------------------------------------------------------------------------
 
 
-def filtered(alerts: QuerySet[Alert], where: dict) -> QuerySet[Alert]:
+def filtered(alerts: QuerySet[Alert], where: dict[str, Any]) -> QuerySet[Alert]:
     state = where["state"]
     if state != "all":
         alerts = alerts.filter(resolved_at__isnull=state == "open")
@@ -92,7 +95,7 @@ class AlertListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[AlertFilter], responses=AlertSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         where = validated(AlertFilter, request.query_params)
         found = filtered(alerts_of(request.caller.tenant_id), where)
         return Response(AlertSerializer(found, many=True).data)
@@ -102,7 +105,7 @@ class AlertDetailView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=AlertSerializer)
-    def get(self, request, alert_id: int):
+    def get(self, request: CallerRequest, alert_id: int) -> Response:
         alert = alert_for(request.caller.tenant_id, alert_id)
         return Response(AlertSerializer(alert).data)
 
@@ -115,7 +118,7 @@ class AlertResolveView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(request=ResolveSerializer, responses=AlertSerializer)
-    def post(self, request, alert_id: int):
+    def post(self, request: CallerRequest, alert_id: int) -> Response:
         body = validated(ResolveSerializer, request.data)
         alert = alert_for(request.caller.tenant_id, alert_id)
         resolved = resolve_by_hand(alert, actor_of(request), body["reason"])
@@ -128,18 +131,18 @@ class AlertSettingsView(APIView):
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
 
-    def initial(self, request, *args, **kwargs):
-        super().initial(request, *args, **kwargs)
-        if request.caller.role not in WRITE_ROLES:
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # checks TenantRolePermission: sets the caller
+        if cast(CallerRequest, request).caller.role not in WRITE_ROLES:
             raise PermissionDenied("the webhook URL is for engineers and approvers only")
 
     @extend_schema(responses=AlertSettingsSerializer)
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         tenant = Tenant.objects.get(pk=request.caller.tenant_id)
         return Response({"webhook_url": tenant.alert_webhook_url})
 
     @extend_schema(request=AlertSettingsSerializer, responses=AlertSettingsSerializer)
-    def put(self, request):
+    def put(self, request: CallerRequest) -> Response:
         body = validated(AlertSettingsSerializer, request.data)
         tenant = set_webhook_url(request.caller.tenant_id, body["webhook_url"], actor_of(request))
         return Response({"webhook_url": tenant.alert_webhook_url})

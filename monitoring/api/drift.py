@@ -17,7 +17,7 @@ from registry.access import model_for, version_for
 from registry.api.serializers import ReferenceUploadSerializer
 from registry.models import ReferenceSample
 from registry.reference import set_reference_upload
-from tenants.authentication import TenantRolePermission, actor_of
+from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from ..drift import reference_summary, set_reference_window
 from ..models import DriftReport
@@ -113,7 +113,7 @@ class ReferenceView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(summary="The version's drift reference", responses=ReferenceSerializer)
-    def get(self, request, name: str, version: int):
+    def get(self, request: CallerRequest, name: str, version: int) -> Response:
         found = version_for(model_for(request.caller.tenant_id, name), version)
         sample = ReferenceSample.objects.filter(version=found).first()
         if sample is None:
@@ -125,7 +125,7 @@ class ReferenceView(APIView):
         request=ReferenceUploadSerializer,
         responses=ReferenceSerializer,
     )
-    def put(self, request, name: str, version: int):
+    def put(self, request: CallerRequest, name: str, version: int) -> Response:
         found = version_for(model_for(request.caller.tenant_id, name), version)
         body = validated(ReferenceUploadSerializer, request.data)
         sample = set_reference_upload(found, actor_of(request), **body)
@@ -136,7 +136,7 @@ class ReferenceView(APIView):
         request=ReferenceWindowSerializer,
         responses=ReferenceSerializer,
     )
-    def post(self, request, name: str, version: int):
+    def post(self, request: CallerRequest, name: str, version: int) -> Response:
         found = version_for(model_for(request.caller.tenant_id, name), version)
         body = validated(ReferenceWindowSerializer, request.data)
         sample = set_reference_window(
@@ -151,7 +151,7 @@ class DriftReportListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[DriftFilter], responses=DriftReportSerializer(many=True))
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         model = model_for(request.caller.tenant_id, name)
         where = validated(DriftFilter, request.query_params)
         reports = DriftReport.objects.filter(model=model).select_related("version")

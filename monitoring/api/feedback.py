@@ -4,6 +4,7 @@ goes through the caller's tenant."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema
@@ -15,7 +16,7 @@ from rest_framework.views import APIView
 
 from registry.access import model_for
 from registry.models import Model
-from tenants.authentication import TenantRolePermission
+from tenants.authentication import CallerRequest, TenantRolePermission
 
 from .. import quality
 from ..models import PredictionLog
@@ -23,7 +24,7 @@ from ..models import PredictionLog
 DEFAULT_SINCE = {"hour": timedelta(hours=24), "day": timedelta(days=30)}
 
 
-def _model(request, name: str) -> Model:
+def _model(request: CallerRequest, name: str) -> Model:
     return model_for(request.caller.tenant_id, name)
 
 
@@ -34,7 +35,8 @@ def _is_number(value: object) -> bool:
 class LabelField(serializers.JSONField):
     """A number (or boolean) for a one-row request, or a list of them, one per row."""
 
-    def to_internal_value(self, data):
+    # drf-stubs expect a JSONField to hold an object or a list of them; a label is a number.
+    def to_internal_value(self, data: Any) -> float | list[float | None]:  # type: ignore[override]
         if _is_number(data):
             return data
         if isinstance(data, list) and data and all(_is_number(v) or v is None for v in data):
@@ -47,7 +49,8 @@ class LabelField(serializers.JSONField):
 
 class FeedbackItemSerializer(serializers.Serializer):
     request_id = serializers.CharField(max_length=128)
-    label = LabelField()
+    # DRF moves declared fields off the class; the stubs see them shadow Field.label.
+    label = LabelField()  # type: ignore[assignment]
 
 
 class FeedbackBulkSerializer(serializers.Serializer):
@@ -104,7 +107,7 @@ class FeedbackView(APIView):
         description="Ground-truth labels by request id (the `x-request-id` of the prediction), "
         "one or up to 10 000 in `items`. A label sent again replaces the old one.",
     )
-    def post(self, request):
+    def post(self, request: CallerRequest) -> Response:
         accepted, matched = quality.record_feedback(
             request.caller.tenant_id, feedback_items(request.data)
         )
@@ -121,7 +124,8 @@ class PredictionFilter(serializers.Serializer):
 
 class PredictionLogSerializer(serializers.ModelSerializer):
     version = serializers.IntegerField(source="version.version")
-    label = serializers.JSONField(allow_null=True)
+    # DRF moves declared fields off the class; the stubs see them shadow Field.label.
+    label = serializers.JSONField(allow_null=True)  # type: ignore[assignment]
 
     class Meta:
         model = PredictionLog
@@ -151,7 +155,7 @@ class PredictionListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[PredictionFilter], responses=PredictionPageSerializer)
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         model = _model(request, name)
         where = PredictionFilter(data=request.query_params)
         where.is_valid(raise_exception=True)
@@ -195,7 +199,7 @@ class QualityView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[QualityFilter], responses=QualitySerializer)
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         model = _model(request, name)
         where = QualityFilter(data=request.query_params)
         where.is_valid(raise_exception=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
@@ -20,7 +22,8 @@ class ModelSerializer(serializers.ModelSerializer):
         model = Model
         fields = ["name", "task", *MONITORING_FIELDS, "created_at", "aliases"]
         read_only_fields = ["created_at", "aliases"]
-        validators = []  # uniqueness per tenant is checked in the view, which knows the tenant
+        # Uniqueness per tenant is checked in the view, which knows the tenant.
+        validators: list[Callable[..., None]] = []
 
     def get_aliases(self, obj: Model) -> dict[str, int]:
         return {a.name: a.version.version for a in obj.aliases.select_related("version")}
@@ -28,8 +31,13 @@ class ModelSerializer(serializers.ModelSerializer):
 
 class VersionSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
-    parent = serializers.IntegerField(source="parent.version", read_only=True, default=None)
-    aliases = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    # DRF moves declared fields off the class; the stubs see them shadow Field.parent.
+    parent = serializers.IntegerField(  # type: ignore[assignment]
+        source="parent.version", read_only=True, default=None
+    )
+    aliases: serializers.SlugRelatedField[Alias] = serializers.SlugRelatedField(
+        many=True, read_only=True, slug_field="name"
+    )
 
     class Meta:
         model = ModelVersion
@@ -79,7 +87,7 @@ class ReferenceUploadSerializer(serializers.Serializer):
         help_text="the model's score per row (positive-class probability or regressor value)",
     )
 
-    def validate(self, data: dict) -> dict:
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if ("rows" in data) == ("columns" in data):
             raise serializers.ValidationError("send exactly one of 'rows' or 'columns'")
         return data
@@ -91,7 +99,7 @@ class ReferenceField(serializers.Field):
     ``{"columns": {...}}``, optional ``"scores"``), or a ``.csv`` file with a header row (a
     ``_score`` column holds the scores). Checked here, so a bad one refuses the whole upload."""
 
-    def to_internal_value(self, data) -> dict:
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
         text = data
         if hasattr(data, "read"):  # an uploaded file
             try:
@@ -119,7 +127,7 @@ class ReferenceField(serializers.Field):
             raise serializers.ValidationError(exc.message_dict) from None
         return dict(reference.validated_data)
 
-    def to_representation(self, value):
+    def to_representation(self, value: dict[str, Any]) -> dict[str, Any]:
         return value
 
 
@@ -148,7 +156,8 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     offline_metrics = serializers.JSONField(binary=True, required=False)
     source_commit = serializers.CharField(max_length=64, required=False, allow_blank=True)
     training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
-    parent = serializers.IntegerField(min_value=1, required=False)
+    # DRF moves declared fields off the class; the stubs see them shadow Field.parent.
+    parent = serializers.IntegerField(min_value=1, required=False)  # type: ignore[assignment]
     personal_fields = serializers.JSONField(
         binary=True, required=False, help_text=PERSONAL_FIELDS_HELP
     )
@@ -159,7 +168,7 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     class Meta(ServingSettingsSerializer.Meta):
         fields = [*UPLOAD_FIELDS, *SERVING_FIELDS, "reference"]
 
-    def validate_offline_metrics(self, value):
+    def validate_offline_metrics(self, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise serializers.ValidationError("must be a JSON object of metric name to value")
         return value
@@ -173,7 +182,7 @@ class AliasSerializer(serializers.Serializer):
     )
     updated_at = serializers.DateTimeField(read_only=True)
 
-    def to_representation(self, alias: Alias) -> dict:
+    def to_representation(self, alias: Alias) -> dict[str, Any]:
         return {
             "name": alias.name,
             "version": alias.version.version,

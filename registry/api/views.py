@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from tenants.audit import audit
-from tenants.authentication import TenantRolePermission, actor_of
+from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
 from ..access import model_for, models_of, version_for
@@ -32,12 +32,12 @@ class ModelListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=ModelSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         models = models_of(request.caller.tenant_id)
         return Response(ModelSerializer(models, many=True).data)
 
     @extend_schema(request=ModelSerializer, responses={201: ModelSerializer})
-    def post(self, request):
+    def post(self, request: CallerRequest) -> Response:
         serializer = ModelSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
@@ -54,11 +54,11 @@ class ModelDetailView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(responses=ModelSerializer)
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         return Response(ModelSerializer(model_for(request.caller.tenant_id, name)).data)
 
     @extend_schema(request=ModelUpdateSerializer, responses=ModelSerializer)
-    def patch(self, request, name: str):
+    def patch(self, request: CallerRequest, name: str) -> Response:
         """Change the description or the monitoring settings (sampling, retention, drift, SLOs)."""
         model = model_for(request.caller.tenant_id, name)
         if not isinstance(request.data, dict):
@@ -89,14 +89,14 @@ class VersionListView(APIView):
     parser_classes = [MultiPartParser, FormParser]
 
     @extend_schema(responses=VersionSerializer(many=True))
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         versions = model_for(request.caller.tenant_id, name).versions.select_related(
             "model", "parent"
         )
         return Response(VersionSerializer(versions, many=True).data)
 
     @extend_schema(request=VersionUploadSerializer, responses={201: VersionSerializer})
-    def post(self, request, name: str):
+    def post(self, request: CallerRequest, name: str) -> Response:
         model = model_for(request.caller.tenant_id, name)
         upload = VersionUploadSerializer(data=request.data)
         upload.is_valid(raise_exception=True)
@@ -124,13 +124,13 @@ class VersionDetailView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(responses=VersionSerializer)
-    def get(self, request, name: str, version: int):
+    def get(self, request: CallerRequest, name: str, version: int) -> Response:
         return Response(
             VersionSerializer(version_for(model_for(request.caller.tenant_id, name), version)).data
         )
 
     @extend_schema(request=ServingSettingsSerializer, responses=VersionSerializer)
-    def patch(self, request, name: str, version: int):
+    def patch(self, request: CallerRequest, name: str, version: int) -> Response:
         found = version_for(model_for(request.caller.tenant_id, name), version)
         if not isinstance(request.data, dict):
             raise ValidationError({"body": "must be a JSON object"})
@@ -147,7 +147,7 @@ class VersionDetailView(APIView):
     @extend_schema(
         request=None, responses={400: None}, description="Always 400: versions are immutable."
     )
-    def put(self, request, name: str, version: int):
+    def put(self, request: CallerRequest, name: str, version: int) -> Response:
         version_for(model_for(request.caller.tenant_id, name), version)
         raise ValidationError(
             {"version": "model versions are immutable; upload a new version instead"}

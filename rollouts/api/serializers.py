@@ -143,7 +143,8 @@ class ArmMetricsSerializer(serializers.Serializer):
     version = serializers.IntegerField()
     weight = serializers.FloatField()
     requests = serializers.IntegerField()
-    errors = serializers.IntegerField()
+    # DRF moves declared fields off the class; the stubs see them shadow Serializer.errors.
+    errors = serializers.IntegerField()  # type: ignore[assignment]
     error_rate = serializers.FloatField()
     p50_ms = serializers.FloatField(allow_null=True)
     p95_ms = serializers.FloatField(allow_null=True)

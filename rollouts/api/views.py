@@ -12,13 +12,14 @@ from rest_framework.views import APIView
 from platform_site.api import validated
 from registry.access import model_for, version_for
 from registry.api.serializers import AliasSerializer
-from tenants.authentication import TenantRolePermission, actor_of
+from tenants.audit import Actor
+from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import actions, approvals
 from ..access import approval_for, approvals_of, plan_for
 from ..approvals import move_alias
 from ..arms import metrics_diff, plan_arm_metrics
-from ..models import ApprovalRequest
+from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
     ApprovalFilter,
     ApprovalSerializer,
@@ -43,12 +44,12 @@ class PlanListView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(responses=PlanSerializer(many=True))
-    def get(self, request, name: str):
+    def get(self, request: CallerRequest, name: str) -> Response:
         model = model_for(request.caller.tenant_id, name)
         return Response(PlanSerializer(model.plans.all(), many=True).data)
 
     @extend_schema(request=PlanCreateSerializer, responses={201: PlanSerializer})
-    def post(self, request, name: str):
+    def post(self, request: CallerRequest, name: str) -> Response:
         model = model_for(request.caller.tenant_id, name)
         body = PlanCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -74,7 +75,7 @@ class PlanDetailView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=PlanSerializer)
-    def get(self, request, plan_id: int):
+    def get(self, request: CallerRequest, plan_id: int) -> Response:
         return Response(PlanSerializer(plan_for(request.caller.tenant_id, plan_id)).data)
 
 
@@ -87,7 +88,7 @@ class PlanWeightView(APIView):
     @extend_schema(
         request=WeightSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
     )
-    def post(self, request, plan_id: int):
+    def post(self, request: CallerRequest, plan_id: int) -> Response:
         body = validated(WeightSerializer, request.data)
         plan = plan_for(request.caller.tenant_id, plan_id)
         done = approvals.change_weight(plan, body["weight"], actor_of(request), body["reason"])
@@ -101,10 +102,10 @@ class PlanActionView(APIView):
 
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
-    change: staticmethod  # set by each subclass
+    change: staticmethod[[RolloutPlan, Actor, str], RolloutPlan]  # set by each subclass
 
     @extend_schema(request=ReasonSerializer, responses=PlanSerializer)
-    def post(self, request, plan_id: int):
+    def post(self, request: CallerRequest, plan_id: int) -> Response:
         body = validated(ReasonSerializer, request.data)
         plan = plan_for(request.caller.tenant_id, plan_id)
         changed = self.change(plan, actor_of(request), body["reason"])
@@ -134,7 +135,7 @@ class PlanPromotionView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(request=CommentSerializer, responses={202: ApprovalSerializer})
-    def post(self, request, plan_id: int):
+    def post(self, request: CallerRequest, plan_id: int) -> Response:
         body = validated(CommentSerializer, request.data)
         plan = plan_for(request.caller.tenant_id, plan_id)
         req = approvals.request_promotion(
@@ -155,7 +156,7 @@ class PlanMetricsView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=PlanMetricsSerializer)
-    def get(self, request, plan_id: int):
+    def get(self, request: CallerRequest, plan_id: int) -> Response:
         plan = plan_for(request.caller.tenant_id, plan_id)
         since = plan.step_started_at if request.query_params.get("window") == "step" else None
         arms = plan_arm_metrics(plan, since)
@@ -169,7 +170,7 @@ class PromotionListView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(request=PromotionSerializer, responses={202: ApprovalSerializer})
-    def post(self, request, name: str):
+    def post(self, request: CallerRequest, name: str) -> Response:
         model = model_for(request.caller.tenant_id, name)
         body = validated(PromotionSerializer, request.data)
         version = version_for(model, body["version"])
@@ -183,7 +184,7 @@ class ApprovalListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[ApprovalFilter], responses=ApprovalSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         where = validated(ApprovalFilter, request.query_params)
         found = approvals_of(request.caller.tenant_id)
         if "model" in where:
@@ -196,7 +197,7 @@ class ApprovalDetailView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=ApprovalSerializer)
-    def get(self, request, request_id: int):
+    def get(self, request: CallerRequest, request_id: int) -> Response:
         req = approval_for(request.caller.tenant_id, request_id)
         return Response(ApprovalSerializer(req, context={"with_evidence": True}).data)
 
@@ -206,10 +207,11 @@ class ApprovalDecisionView(APIView):
 
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
-    decide: staticmethod  # set by each subclass
+    # set by each subclass
+    decide: staticmethod[[ApprovalRequest, Actor, str], ApprovalRequest]
 
     @extend_schema(request=CommentSerializer, responses=ApprovalSerializer)
-    def post(self, request, request_id: int):
+    def post(self, request: CallerRequest, request_id: int) -> Response:
         body = validated(CommentSerializer, request.data)
         req = approval_for(request.caller.tenant_id, request_id)
         decided = self.decide(req, actor_of(request), body["comment"])
@@ -229,7 +231,7 @@ class AliasView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(responses=AliasSerializer)
-    def get(self, request, name: str, alias: str):
+    def get(self, request: CallerRequest, name: str, alias: str) -> Response:
         found = (
             model_for(request.caller.tenant_id, name)
             .aliases.select_related("version")
@@ -242,7 +244,7 @@ class AliasView(APIView):
     @extend_schema(
         request=AliasSerializer, responses={200: AliasSerializer, 202: ApprovalSerializer}
     )
-    def put(self, request, name: str, alias: str):
+    def put(self, request: CallerRequest, name: str, alias: str) -> Response:
         """Move an alias. Moving ``production`` once it exists is a promotion request (202)."""
         model = model_for(request.caller.tenant_id, name)
         body = AliasSerializer(data=request.data)

@@ -7,7 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ..audit import audit_events
-from ..authentication import TenantRolePermission
+from ..authentication import CallerRequest, TenantRolePermission
 from .serializers import AuditFilter, AuditSerializer
 
 
@@ -15,7 +15,7 @@ class AuditView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[AuditFilter], responses=AuditSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         query = AuditFilter(data=request.query_params)
         query.is_valid(raise_exception=True)
         where = query.validated_data

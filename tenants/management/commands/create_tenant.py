@@ -1,6 +1,8 @@
 """Create a tenant with a quota and an API key; prints the key once (as JSON with --json)."""
 
 import json as jsonlib
+from argparse import ArgumentParser
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
@@ -13,7 +15,7 @@ from tenants.models import Quota, Tenant
 class Command(BaseCommand):
     help = "Create a tenant, its quota and a first API key (printed once)."
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("slug")
         parser.add_argument("--name", default="")
         parser.add_argument("--rps", type=float, default=100.0, help="requests per second")
@@ -21,7 +23,16 @@ class Command(BaseCommand):
         parser.add_argument("--key-name", default="default")
         parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
-    def handle(self, slug, name, rps, burst, key_name, json: bool, **options):
+    def handle(
+        self,
+        slug: str,
+        name: str,
+        rps: float,
+        burst: int,
+        key_name: str,
+        json: bool,
+        **options: Any,
+    ) -> None:
         if Tenant.objects.filter(slug=slug).exists():
             raise CommandError(f"tenant {slug!r} already exists")
         with transaction.atomic():
