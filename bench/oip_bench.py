@@ -113,7 +113,8 @@ CASES = {
 START_CANARY = """
 from registry.models import Model
 from registry.services import create_version
-from rollouts.actions import Actor, start_plan
+from rollouts.actions import start_plan
+from tenants.audit import Actor
 model = Model.objects.get(name="fraud-detector")
 v1 = model.versions.get(version=1)
 v2 = create_version(model, v1.artifact.read(), feature_names=v1.feature_names)
