@@ -1,11 +1,15 @@
 """Admin for nodes (a new token is shown once), their agents' sessions, pools, deployments
 (changed through the same audited functions as the API) and the autoscaler's decisions."""
 
+from __future__ import annotations
+
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from django.conf import settings
 from django.contrib import admin, messages
-from django.db.models import Count, Q
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest
 from django.utils import timezone
 
 from tenants.audit import user_actor
@@ -20,8 +24,19 @@ from .deployments import (
 from .models import AgentSession, Deployment, Node, Pool, ScalingDecision
 from .nodes import create_node, rotate_node_token
 
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
+
 INLINE_DECISIONS_MIN = 10
 MIB = 1 << 20
+
+
+class DeploymentCount(TypedDict):
+    deployment_count: int  # PoolAdmin's queryset counts each pool's deployments
+
+
+class LiveReplicas(TypedDict):
+    live: int  # DeploymentAdmin's queryset counts each deployment's live agents
 
 
 @admin.register(Node)
@@ -30,7 +45,7 @@ class NodeAdmin(admin.ModelAdmin):
     readonly_fields = ["token_prefix", "facts", "last_seen_at", "created_at"]
     actions = ["rotate_token"]
 
-    def save_model(self, request, obj, form, change):
+    def save_model(self, request: HttpRequest, obj: Node, form: Any, change: bool) -> None:
         if change:
             super().save_model(request, obj, form, change)
             return
@@ -43,7 +58,7 @@ class NodeAdmin(admin.ModelAdmin):
         )
 
     @admin.action(description="Rotate the token of the selected node")
-    def rotate_token(self, request, queryset):
+    def rotate_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
         for node in queryset:
             messages.warning(
                 request, f"New token for {node}: {rotate_node_token(node)} (shown once)"
@@ -71,10 +86,10 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_select_related = ["node"]
     search_fields = ["node__name", "deployment_name", "channel_name"]
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None):
+    def has_change_permission(self, request: HttpRequest, obj: AgentSession | None = None) -> bool:
         return False
 
     @admin.display(description="deployment", ordering="deployment_name")
@@ -127,12 +142,15 @@ class PoolAdmin(admin.ModelAdmin):
     list_display = ["name", "backend", "namespace", "description", "deployment_count"]
     search_fields = ["name", "description"]
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Pool]:
         return super().get_queryset(request).annotate(deployment_count=Count("deployments"))
 
     @admin.display(description="deployments", ordering="deployment_count")
-    def deployment_count(self, pool: Pool) -> int:
+    def deployment_count(self, pool: WithAnnotations[Pool, DeploymentCount]) -> int:
         return pool.deployment_count
+
+
+DECISION_FIELDS = ("created_at", "current", "desired", "accepted", "dry_run", "reason", "error")
 
 
 class DecisionInline(admin.TabularInline):
@@ -143,12 +161,12 @@ class DecisionInline(admin.TabularInline):
     extra = 0
     can_delete = False
     max_num = 0
-    fields = ["created_at", "current", "desired", "accepted", "dry_run", "reason", "error"]
-    readonly_fields = fields
+    fields = DECISION_FIELDS
+    readonly_fields = DECISION_FIELDS
     ordering = ["-created_at"]
     verbose_name_plural = f"scaling decisions of the last {INLINE_DECISIONS_MIN} minutes"
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ScalingDecision]:
         since = timezone.now() - timedelta(minutes=INLINE_DECISIONS_MIN)
         return super().get_queryset(request).filter(created_at__gte=since)
 
@@ -185,20 +203,20 @@ class DeploymentAdmin(admin.ModelAdmin):
     list_select_related = ["tenant", "pool", "version__model__tenant"]
     inlines = [DecisionInline]
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
         horizon = timezone.now() - timedelta(seconds=settings.SWITCHYARD_AGENT_STALE_S)
         live = Q(sessions__disconnected_at__isnull=True, sessions__last_heartbeat_at__gte=horizon)
         return super().get_queryset(request).annotate(live=Count("sessions", filter=live))
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(self, request: HttpRequest, obj: Deployment | None = None) -> list[str]:
         identity = ["tenant", "version", "pool"] if obj else ["tenant"]  # tenant: the version's
         return [*identity, *AUTOSCALER_FIELDS]
 
     @admin.display(description="live replicas", ordering="live")
-    def live_replicas(self, deployment: Deployment) -> int:
+    def live_replicas(self, deployment: WithAnnotations[Deployment, LiveReplicas]) -> int:
         return deployment.live
 
-    def save_model(self, request, obj, form, change):
+    def save_model(self, request: HttpRequest, obj: Deployment, form: Any, change: bool) -> None:
         actor = user_actor(request.user)
         if change:
             update_deployment(obj, {f: form.cleaned_data[f] for f in form.changed_data}, actor)
@@ -207,15 +225,15 @@ class DeploymentAdmin(admin.ModelAdmin):
         created = create_deployment(obj.version, obj.pool, values, actor)
         obj.pk, obj.tenant_id = created.pk, created.tenant_id
 
-    def has_delete_permission(self, request, obj=None):
+    def has_delete_permission(self, request: HttpRequest, obj: Deployment | None = None) -> bool:
         # Its replicas would run on unscaled: the control loop scales only deployments it has
         # rows for. Scale it to zero first (min_replicas 0, then idle).
         return obj is None or (obj.desired_replicas == 0 and not getattr(obj, "live", 0))
 
-    def delete_model(self, request, obj):
+    def delete_model(self, request: HttpRequest, obj: Deployment) -> None:
         delete_deployment(obj, user_actor(request.user))
 
-    def get_actions(self, request):
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         actions = super().get_actions(request)
         actions.pop("delete_selected", None)  # a bulk delete would skip the check above
         return actions
@@ -236,8 +254,10 @@ class ScalingDecisionAdmin(admin.ModelAdmin):
     list_filter = ["dry_run", "deployment__pool", "deployment"]
     list_select_related = ["deployment__version__model__tenant", "deployment__pool"]
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None):
+    def has_change_permission(
+        self, request: HttpRequest, obj: ScalingDecision | None = None
+    ) -> bool:
         return False

@@ -6,6 +6,7 @@ it by memory; and the spec each agent receives for a version.
 from __future__ import annotations
 
 import logging
+from typing import Literal, cast
 
 from django.db.models import Q, QuerySet
 
@@ -100,8 +101,10 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         max_batch_size=version.max_batch_size,
         max_queue_delay_ms=version.max_queue_delay_ms,
         max_queue=version.max_queue,
-        device=version.device,
-        format=version.format,
+        # Django types a field with choices as str; these fields' choices are the protocol's
+        # values, which pydantic checks again here.
+        device=cast(Literal["auto", "cpu", "cuda"], version.device),
+        format=cast(Literal["onnx", "textgen"], version.format),
         generation=GenerationLimits(
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,

@@ -179,10 +179,11 @@ def quota_cap(deployment: Deployment, desired: int) -> tuple[int, str]:
     """Hold a shared-pool deployment within its tenant's replica quota."""
     if deployment.isolation != Isolation.SHARED:
         return desired, ""
-    limit = Quota.objects.filter(tenant_id=deployment.tenant_id).values_list(
-        "max_replicas", flat=True
+    limit = (
+        Quota.objects.filter(tenant_id=deployment.tenant_id)
+        .values_list("max_replicas", flat=True)
+        .first()
     )
-    limit = limit.first()
     if limit is None:
         return desired, ""
     others = (

@@ -267,7 +267,7 @@ def _agent_row(
         "node": session.node.name,
         "kind": "replica" if session.deployment_id else "node",
         "shared": shared,
-        "deployment": session.deployment.cluster_name if session.deployment_id else None,
+        "deployment": session.deployment.cluster_name if session.deployment is not None else None,
         "health": health,
         "last_heartbeat_age_s": age,
         "serving": serving,

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 from serving_agent.protocol import Hello, VersionStatus
+from tenants.models import Tenant
 
 from .changes import bump_generation
 from .models import AgentSession, Deployment, Node
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 NODE_KIND = "syn"
 
 
-def create_node(name: str, tenant=None) -> tuple[Node, str]:
+def create_node(name: str, tenant: Tenant | None = None) -> tuple[Node, str]:
     """Create a node; the raw token is returned once and never stored."""
     prefix, raw = new_token(NODE_KIND)
     node = Node.objects.create(

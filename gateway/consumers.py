@@ -9,6 +9,7 @@ back the same way.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
@@ -26,6 +27,7 @@ from serving_agent.protocol import (
     Heartbeat,
     Hello,
     TokenChunk,
+    VersionSpec,
     VersionStatus,
     agent_message,
     decode_frame,
@@ -47,7 +49,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.node = await database_sync_to_async(nodes.authenticate_node)(token)
         self.link: AgentLink | None = None
         self.session_id: int | None = None
-        self.sent_assignment: list | None = None
+        self.sent_assignment: list[VersionSpec] | None = None
         self.remote_replies: dict[int, str] = {}  # request id -> reply channel
         if self.node is None:
             log.warning("agent connection refused: unknown or disabled node token")
@@ -56,7 +58,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.state = get_state()
         await self.accept()
 
-    async def dispatch(self, message: dict) -> None:
+    async def dispatch(self, message: dict[str, Any]) -> None:
         # Channels' own dispatch closes stale database connections through a thread hop before
         # every message (measured: ~30% of the gateway's CPU under load). Reply frames touch no
         # database, and every query here goes through database_sync_to_async, which does it.
@@ -65,7 +67,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             raise ValueError(f"no handler for message type {message['type']}")
         await handler(message)
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None):
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.node is None:
             return
         if bytes_data is not None:
@@ -130,8 +132,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 text_data=Assign(versions=specs, heartbeat_s=heartbeat).model_dump_json()
             )
             assigned = {s.version_id for s in specs}
-            for vid in list(self.link.ready - assigned if self.link else []):
-                self.state.pool.set_ready(self.link, vid, False)
+            if self.link is not None:
+                for vid in self.link.ready - assigned:  # a new set: set_ready changes ready
+                    self.state.pool.set_ready(self.link, vid, False)
 
     async def _send_message(self, message: bytes) -> None:
         await self.base_send({"type": "websocket.send", "bytes": message})
@@ -160,7 +163,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if reply_channel is not None:
             await self.channel_layer.send(reply_channel, {"type": "infer.reply", "frame": data})
 
-    async def agent_forward(self, event: dict) -> None:
+    async def agent_forward(self, event: dict[str, Any]) -> None:
         """A request from another gateway process for the agent on this socket."""
         try:
             header, _ = decode_frame(event["frame"])

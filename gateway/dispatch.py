@@ -16,13 +16,13 @@ import random
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from serving_agent.protocol import (
     CancelGenerate,
     FrameError,
-    FrameHeader,
     GenerateDone,
     GenerateRequest,
     InferError,
@@ -38,6 +38,8 @@ from serving_agent.protocol import (
 log = logging.getLogger(__name__)
 
 AgentReply = tuple[InferResult | InferError, list[np.ndarray]]
+# What an agent may send: answers to requests and the frames of streams.
+AgentFrame = InferResult | InferError | TokenChunk | GenerateDone
 # Frames of one generation buffered for its client; past this the client is reading too slowly
 # and the stream is ended rather than buffered without bound.
 STREAM_BUFFER = 256
@@ -67,16 +69,20 @@ class SlowClient(DispatchError):
     """The client did not read its stream's frames fast enough; the stream was ended."""
 
 
+# What a stream's reader takes: the agent's frames, or the failure that ended the stream.
+StreamItem = TokenChunk | GenerateDone | InferError | DispatchError
+
+
 @dataclass(eq=False)
 class StreamInbox:
     """One generation in flight: the agent's frames wait here until the client takes them."""
 
     id: int
     send: Callable[[bytes], Awaitable[None]]  # to the agent holding the stream
-    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(STREAM_BUFFER))
+    queue: asyncio.Queue[StreamItem] = field(default_factory=lambda: asyncio.Queue(STREAM_BUFFER))
     ended: bool = False
 
-    def push(self, item: TokenChunk | GenerateDone | InferError | DispatchError) -> bool:
+    def push(self, item: StreamItem) -> bool:
         """Queue a frame (or a failure) for the reader; False when the buffer is full."""
         try:
             self.queue.put_nowait(item)
@@ -274,22 +280,21 @@ class AgentPool:
                 504, f"the serving agent did not answer within {timeout:g} s"
             ) from None
 
-    def deliver(self, link: AgentLink, data: bytes) -> FrameHeader | None:
+    def deliver(self, link: AgentLink, data: bytes) -> AgentFrame | None:
         """Resolve the request (or feed the stream) a reply frame answers. Returns the frame's
         header when nothing in this process waits for it (it may answer a request forwarded
         from another process)."""
         reply = _decode_reply(data)
         if reply is None:
             return None
-        header = reply[0]
+        header, arrays = reply
         if header.id in link.streams:
             self._feed(link.streams, header)
             return None
         fut = link.pending.pop(header.id, None)
         if fut is None:
             return header
-        if not fut.done():
-            fut.set_result(reply)
+        _answer(fut, header, arrays)
         return None
 
     def deliver_remote(self, data: bytes) -> None:
@@ -297,16 +302,21 @@ class AgentPool:
         reply = _decode_reply(data)
         if reply is None:
             return
-        if reply[0].id in self._remote_streams:
-            self._feed(self._remote_streams, reply[0])
+        header, arrays = reply
+        if header.id in self._remote_streams:
+            self._feed(self._remote_streams, header)
             return
-        fut = self._remote_pending.pop(reply[0].id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(reply)
+        fut = self._remote_pending.pop(header.id, None)
+        if fut is not None:
+            _answer(fut, header, arrays)
 
     @staticmethod
-    def _feed(streams: dict[int, StreamInbox], header: FrameHeader) -> None:
+    def _feed(streams: dict[int, StreamInbox], header: AgentFrame) -> None:
         stream = streams[header.id]
+        if isinstance(header, InferResult):
+            # A result answers a request, never a stream: the agent broke the protocol.
+            stream.fail(DispatchError(502, "the serving agent answered a stream with a result"))
+            return
         if isinstance(header, GenerateDone | InferError):
             stream.ended = True  # the agent is done with it: nothing to cancel any more
         if not stream.push(header):
@@ -316,7 +326,21 @@ class AgentPool:
             in_background(stream.cancel())
 
 
-def _decode_reply(data: bytes) -> tuple[FrameHeader, list[np.ndarray]] | None:
+def _answer(fut: asyncio.Future[AgentReply], header: AgentFrame, arrays: list[np.ndarray]) -> None:
+    """Resolve a request with the agent's answer; a stream's frame is not an answer."""
+    if fut.done():
+        return
+    if isinstance(header, InferResult | InferError):
+        fut.set_result((header, arrays))
+    else:
+        fut.set_exception(
+            DispatchError(
+                502, f"the serving agent answered a request with a {type(header).__name__} frame"
+            )
+        )
+
+
+def _decode_reply(data: bytes) -> tuple[AgentFrame, list[np.ndarray]] | None:
     try:
         header, arrays = decode_frame(data)
     except FrameError as exc:
@@ -328,10 +352,10 @@ def _decode_reply(data: bytes) -> tuple[FrameHeader, list[np.ndarray]] | None:
     return header, arrays
 
 
-_background: set[asyncio.Task] = set()
+_background: set[asyncio.Task[None]] = set()
 
 
-def in_background(coro: Coroutine) -> None:
+def in_background(coro: Coroutine[Any, Any, None]) -> None:
     """Run work after the reply (shadow copies, cancels), keeping a reference until it ends."""
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)  # a reference, so the task is not garbage collected

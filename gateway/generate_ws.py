@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import uuid
+from typing import Any
 from urllib.parse import urlsplit
 
 from channels.db import database_sync_to_async
@@ -31,6 +32,7 @@ from django.conf import settings
 from django.http.request import validate_host
 from pydantic import ValidationError
 
+from tenants.keys import KeyIdentity
 from tenants.members import session_identity
 
 from .dispatch import SlowClient
@@ -74,8 +76,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.model_name: str = self.scope["url_route"]["kwargs"]["name"]
         self.state = get_state()
-        self.identity = None
-        self.running: dict[str, asyncio.Task] = {}
+        self.identity: KeyIdentity | None = None
+        self.running: dict[str, asyncio.Task[None]] = {}
         await self.accept()
         headers = dict(self.scope.get("headers") or [])
         authorization = headers.get(b"authorization")
@@ -92,7 +94,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             task.cancel()  # each task's ``finally`` cancels its stream at the agent
         await asyncio.gather(*self.running.values(), return_exceptions=True)
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None):
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if text_data is None or len(text_data) > MAX_MESSAGE_BYTES:
             await self.error(None, 400, "send JSON text frames of at most 1 MiB")
             return
@@ -123,7 +125,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.error(None, exc.status, exc.message)
             await self.close(CLOSE_UNAUTHORIZED)
 
-    async def _generate(self, message: dict) -> None:
+    async def _generate(self, message: dict[str, Any]) -> None:
         try:
             request = GenerateRequestMessage.model_validate(message)
         except ValidationError as exc:
@@ -140,11 +142,12 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         self.running[stream_id] = task
         task.add_done_callback(lambda _t: self.running.pop(stream_id, None))
 
-    async def _run(self, stream_id: str, params: GenerateParams, routing_key: str | None):
+    async def _run(self, stream_id: str, params: GenerateParams, routing_key: str | None) -> None:
+        assert self.identity is not None  # receive() starts generations once authenticated
         generation = None
         try:
 
-            async def loading(progress: dict) -> None:
+            async def loading(progress: dict[str, Any]) -> None:
                 await self.send_json({"type": "loading", "id": stream_id, **progress})
 
             generation = await start_generation(
@@ -186,10 +189,10 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         frame = {"type": "error", "id": stream_id, "code": CODES.get(status, "internal")}
         await self._send_quietly(frame | {"message": message})
 
-    async def send_json(self, payload: dict) -> None:
+    async def send_json(self, payload: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(payload))
 
-    async def _send_quietly(self, payload: dict) -> None:
+    async def _send_quietly(self, payload: dict[str, Any]) -> None:
         try:
             await self.send_json(payload)
         except Exception:  # the socket is gone: nobody is left to tell

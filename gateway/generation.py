@@ -59,7 +59,7 @@ class TokenUsage:
         decode_s = (self.total_ms - (self.ttft_ms or 0.0)) / 1000
         return round((self.output_tokens - 1) / decode_s, 2) if decode_s > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float | None]:
         return {
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,

@@ -18,8 +18,10 @@ import bisect
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -27,7 +29,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
@@ -35,9 +37,11 @@ from fleet.nodes import live_sessions
 from registry.models import ModelVersion
 from serving_agent.protocol import BATCH_SIZE_BOUNDS
 
+from .routes import Route
 from .tracing import Trace
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STAGE_BUCKETS_S: tuple[float, ...]  # the fine buckets, then the coarse ones
 STAGE_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
 STAGE_BUCKETS_S += (0.05, 0.1, 0.25, 1, 5)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -128,11 +132,11 @@ class Observed:
         self.started = self._last = time.perf_counter()
         self.stages: dict[str, float] = {}
         self.tenant = ""
-        self.route = None
+        self.route: Route | None = None
         self.arm: str | None = None
         self.names: list[str] | None = None
-        self.arrays: list | None = None
-        self.outputs: list | None = None
+        self.arrays: list[np.ndarray] | None = None
+        self.outputs: list[tuple[str, np.ndarray]] | None = None
 
     def mark(self, stage: str) -> None:
         now = time.perf_counter()
@@ -183,8 +187,8 @@ class RequestMetrics:
                 self._record_stages(labels[:2], observed.stages)
         reason = reject_reason(status)
         if reason is not None:
-            key = (tenant, reason)
-            self.rejected[key] = self.rejected.get(key, 0) + 1
+            reject_key = (tenant, reason)
+            self.rejected[reject_key] = self.rejected.get(reject_key, 0) + 1
 
     def _record_stages(self, tenant_model: tuple, spent: dict[str, float]) -> None:
         stages = self.stages.get(tenant_model)
@@ -239,7 +243,7 @@ def multiprocess() -> bool:
 class FleetCollector:
     """Agent metrics from the live sessions' latest heartbeats (read when scraped)."""
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         rows = fleet_rows()
         agent_labels = ["agent", "node", "deployment"]
         gauges = {

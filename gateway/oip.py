@@ -8,22 +8,24 @@ under ``/v2`` is small and served here too, so KServe and Triton clients work un
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Coroutine
+from typing import Any
 
 import orjson
 
 from . import pipeline, tracing
+from .asgi_types import Receive, Scope, Send
 from .dispatch import in_background
 from .metrics import Observed
 from .oip_codec import parse_infer, render_infer
 from .pipeline import ApiError
+from .routes import Route
 from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
 
-Scope = dict
-Send = Callable[[dict], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict]]
+# Work that runs once the reply is sent (shadow copies).
+After = list[Coroutine[Any, Any, None]]
 
 SERVER_METADATA = orjson.dumps(
     {"name": "switchyard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
@@ -32,8 +34,9 @@ SERVER_METADATA = orjson.dumps(
 
 async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
     state = get_state()
-    after = []  # work that runs once the reply is sent (shadow copies)
-    observed = None
+    after: After = []
+    observed: Observed | None = None
+    headers: list[tuple[str, str]]
     try:
         trace = tracing.start_trace(_header(scope, b"x-request-id"), _header(scope, b"traceparent"))
     except tracing.BadRequestId as exc:
@@ -57,7 +60,7 @@ async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def _handle(
-    state: GatewayState, scope: Scope, receive: Receive, after: list, observed: Observed
+    state: GatewayState, scope: Scope, receive: Receive, after: After, observed: Observed
 ) -> tuple[int, bytes, list[tuple[str, str]]]:
     method = scope["method"]
     parts = scope["path"].rstrip("/").split("/")[1:]  # "/v2/models/x/infer" -> [v2, models, ..]
@@ -94,7 +97,16 @@ async def _handle(
     raise ApiError(404, f"no such endpoint: {scope['path']}")
 
 
-async def _infer(state, scope, receive, authorization, name, version, after, observed):
+async def _infer(
+    state: GatewayState,
+    scope: Scope,
+    receive: Receive,
+    authorization: str | None,
+    name: str,
+    version: str | None,
+    after: After,
+    observed: Observed,
+) -> tuple[int, bytes, list[tuple[str, str]]]:
     identity, route = await pipeline.admit(state, authorization, name, version, observed)
     body = await _read_body(scope, receive, state.max_body)
     header_length = _header(scope, b"inference-header-content-length")
@@ -124,7 +136,7 @@ async def _infer(state, scope, receive, authorization, name, version, after, obs
     return 200, payload, headers
 
 
-def _metadata(route) -> dict:
+def _metadata(route: Route) -> dict[str, Any]:
     return {
         "name": route.model_name,
         "versions": [str(route.version)],

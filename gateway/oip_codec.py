@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import orjson
@@ -146,8 +147,8 @@ def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
 
 
 def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]:
-    params = doc.get("parameters") if isinstance(doc.get("parameters"), dict) else {}
-    all_binary = bool(params.get("binary_data_output"))
+    params = doc.get("parameters")
+    all_binary = isinstance(params, dict) and bool(params.get("binary_data_output"))
     requested = doc.get("outputs")
     if requested is None:
         return None, set(route.output_names) if all_binary else set()
@@ -193,7 +194,11 @@ def render_infer(
         else:
             tensor["data"] = np.ascontiguousarray(array).ravel()
         tensors.append(tensor)
-    doc = {"model_name": route.model_name, "model_version": str(route.version), "outputs": tensors}
+    doc: dict[str, Any] = {
+        "model_name": route.model_name,
+        "model_version": str(route.version),
+        "outputs": tensors,
+    }
     if request_id is not None:
         doc["id"] = request_id
     extra = []

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
 
 from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -76,7 +77,9 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 CHAT_STOP = "\n\nUser:"
 
 
-def openai_error(status: int, message: str, headers: list[tuple[str, str]] = ()) -> JsonResponse:
+def openai_error(
+    status: int, message: str, headers: Sequence[tuple[str, str]] = ()
+) -> JsonResponse:
     error_type = ERROR_TYPES.get(status, "server_error")
     body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
     response = JsonResponse(body, status=status)
@@ -86,12 +89,12 @@ def openai_error(status: int, message: str, headers: list[tuple[str, str]] = ())
 
 
 @csrf_exempt
-async def completions(request: HttpRequest) -> HttpResponse:
+async def completions(request: HttpRequest) -> HttpResponseBase:
     return await _serve(request, chat=False)
 
 
 @csrf_exempt
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     return await _serve(request, chat=True)
 
 
@@ -102,7 +105,7 @@ async def models(request: HttpRequest) -> HttpResponse:
     except ApiError as exc:
         return openai_error(exc.status, exc.message, exc.headers)
 
-    def listing() -> list[dict]:
+    def listing() -> list[dict[str, Any]]:
         rows = models_of(identity.tenant_id).order_by("name").values_list("name", "created_at")
         return [
             {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": ""}
@@ -112,7 +115,7 @@ async def models(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"object": "list", "data": await database_sync_to_async(listing)()})
 
 
-async def _serve(request: HttpRequest, chat: bool) -> HttpResponse:
+async def _serve(request: HttpRequest, chat: bool) -> HttpResponseBase:
     try:
         trace = tracing.start_trace(
             request.headers.get("X-Request-Id"), request.headers.get("traceparent")
@@ -129,7 +132,7 @@ async def _serve(request: HttpRequest, chat: bool) -> HttpResponse:
     return response
 
 
-async def _answer(request: HttpRequest, chat: bool) -> HttpResponse:
+async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     if request.method != "POST":
         return openai_error(405, "use POST")
     state = get_state()
@@ -142,6 +145,7 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponse:
     except ApiError as exc:
         return openai_error(exc.status, exc.message, exc.headers)
     shape = _Shape(chat, body.model)
+    response: HttpResponseBase
     if body.stream:
         response = StreamingHttpResponse(
             _events(generation, shape), content_type="text/event-stream"
@@ -165,9 +169,11 @@ def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
     except ValueError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     try:
-        body = (ChatBody if chat else CompletionBody).model_validate(data)
+        body: ChatBody | CompletionBody = (
+            ChatBody.model_validate(data) if chat else CompletionBody.model_validate(data)
+        )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if chat:
+        if isinstance(body, ChatBody):
             prompt = chat_prompt(body.messages)
             max_tokens = body.max_completion_tokens or body.max_tokens or 128
             stop = [*stop, CHAT_STOP][:4]
@@ -211,7 +217,7 @@ async def _events(generation: Generation, shape: _Shape) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _sse(payload: dict) -> str:
+def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
@@ -224,10 +230,10 @@ class _Shape:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def _envelope(self, kind: str) -> dict:
+    def _envelope(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish: str | None, first: bool) -> dict:
+    def chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if finish is not None:
@@ -237,7 +243,7 @@ class _Shape:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return self._envelope("text_completion") | {"choices": [choice]}
 
-    def whole(self, text: str, generation: Generation) -> dict:
+    def whole(self, text: str, generation: Generation) -> dict[str, Any]:
         finish = FINISH.get(generation.finish_reason or "stop")
         usage = generation.usage
         counts = {

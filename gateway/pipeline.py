@@ -222,6 +222,8 @@ async def shadow_copy(
 
     Not rate-limited: shadows never count against the tenant's quota.
     """
+    # Only a rollout plan sends shadow copies, and route_request sets both from it.
+    assert routed.shadow_version_id is not None and routed.plan_id is not None
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         result = await run_inference(state, route, names, arrays)

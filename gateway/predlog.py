@@ -16,10 +16,11 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -47,6 +48,8 @@ DROPPED_WRITE_FAILED = RECORDS.labels("dropped_write_failed")
 REDACTED = "[redacted]"
 WRITE_TIMEOUT_MS = 5000  # a batch write slower than this on PostgreSQL is dropped (counted)
 
+Record = dict[str, Any]  # the fields of one ``PredictionLog`` row, by name
+
 
 def _shape_only(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": str(a.dtype)}
@@ -54,7 +57,7 @@ def _shape_only(a: np.ndarray) -> dict:
 
 def input_columns(
     route: Route, names: Sequence[str], arrays: Sequence[np.ndarray], hash_key: bytes
-) -> dict:
+) -> dict[str, Any]:
     """{column: [value per row]}: a 2-D input with the version's feature names gives one column
     per feature, else ``input[j]``; a 1-D or [n,1] input one column named by the input; higher
     ranks (images, sequences) only their shape. Personal fields, named by feature or by input,
@@ -107,7 +110,7 @@ def log_hash_key() -> bytes:
     return hashlib.sha256(b"switchyard.predlog:" + settings.SECRET_KEY.encode()).digest()
 
 
-def output_columns(outputs: Sequence[tuple[str, np.ndarray]] | None) -> dict:
+def output_columns(outputs: Sequence[tuple[str, np.ndarray]] | None) -> dict[str, Any]:
     return {
         name: _shape_only(np.asarray(a)) if np.ndim(a) > 2 else jsonable(np.asarray(a))
         for name, a in outputs or ()
@@ -126,7 +129,7 @@ def build_record(
     latency_s: float,
     status: int,
     hash_key: bytes,
-) -> dict:
+) -> Record:
     """The fields of one ``PredictionLog`` row, for a prediction answered now."""
     sample = Sample(
         route, arm, request_id, trace_id, names, arrays, outputs, latency_s, status, time.time()
@@ -148,7 +151,7 @@ class Sample(NamedTuple):
     status: int
     at: float  # time.time() when answered
 
-    def record(self, hash_key: bytes) -> dict:
+    def record(self, hash_key: bytes) -> Record:
         return next(build_records([self], hash_key))
 
 
@@ -173,7 +176,7 @@ def stack_key(sample: Sample) -> tuple | None:
     )
 
 
-def build_records(samples: Sequence[Sample], hash_key: bytes) -> Iterator[dict]:
+def build_records(samples: Sequence[Sample], hash_key: bytes) -> Iterator[Record]:
     """The records of one sample, or of several of one ``stack_key`` built from their tensors
     stacked: one numpy pass over all their rows instead of one per sample, which halves the
     writer's CPU per record for one-row requests. Whether a classifier's scores are logits is
@@ -203,7 +206,9 @@ def build_records(samples: Sequence[Sample], hash_key: bytes) -> Iterator[dict]:
     return _sliced(samples, inputs, output_values, scores)
 
 
-def _sliced(samples: Sequence[Sample], inputs: dict, outputs: dict, scores: list) -> Iterator[dict]:
+def _sliced(
+    samples: Sequence[Sample], inputs: dict, outputs: dict, scores: list
+) -> Iterator[Record]:
     """Each sample's record: its rows of the stacked columns."""
     end = 0
     for sample in samples:
@@ -215,7 +220,7 @@ def _sliced(samples: Sequence[Sample], inputs: dict, outputs: dict, scores: list
         }
 
 
-def _fields(sample: Sample) -> dict:
+def _fields(sample: Sample) -> Record:
     route = sample.route
     return {
         "tenant_id": route.tenant_id,
@@ -232,7 +237,7 @@ def _fields(sample: Sample) -> dict:
 
 def batch_records(
     batch: Sequence[Sample], hash_key: bytes, unrecordable: list[Sample]
-) -> Iterator[dict]:
+) -> Iterator[Record]:
     """The records of a batch, as the write consumes them. Samples that stack are built
     together; the rest, and a group that fails, one by one, so that a tensor we cannot describe
     loses its own record (put in ``unrecordable``), not the batch."""
@@ -393,7 +398,7 @@ COPY_COLUMNS = (
 JSON_COLUMNS = {"inputs", "outputs", "scores"}
 
 
-def write_batch(records: Iterable[dict]) -> None:
+def write_batch(records: Iterable[Record]) -> None:
     """Insert one batch of records in a transaction of its own."""
     if connection.vendor == "postgresql":
         copy_rows(records)
@@ -402,14 +407,14 @@ def write_batch(records: Iterable[dict]) -> None:
             PredictionLog.objects.bulk_create([PredictionLog(**r) for r in records])
 
 
-def copy_row(record: dict) -> tuple:
+def copy_row(record: Record) -> tuple[Any, ...]:
     """A record as COPY takes it: the JSON columns as text, the rest as they are."""
     return tuple(
         orjson.dumps(record[c]).decode() if c in JSON_COLUMNS else record[c] for c in COPY_COLUMNS
     )
 
 
-def copy_rows(records: Iterable[dict]) -> None:
+def copy_rows(records: Iterable[Record]) -> None:
     """Write records with PostgreSQL's COPY. bulk_create's INSERT ... UNNEST escapes every JSON
     document as an array element, measured at ~330 us of CPU a record against ~10 us this way,
     and that CPU is the gateway process's.
@@ -428,6 +433,11 @@ def copy_rows(records: Iterable[dict]) -> None:
                 copy.write_row(row)
 
 
+# The raw database connections whose session settings are made; weak, so that a connection
+# Django closes (and replaces with a new one, configured afresh) drops out.
+_configured_sessions: weakref.WeakSet[object] = weakref.WeakSet()
+
+
 def configure_session() -> None:
     """Settings for the writer's connection, made once per connection (the thread's own one):
     a hung server must fail a batch, not stall the writer behind it; and a commit need not
@@ -435,10 +445,10 @@ def configure_session() -> None:
     log, never its consistency)."""
     connection.ensure_connection()
     raw = connection.connection
-    if getattr(connection, "predlog_session", None) is raw:
+    if raw in _configured_sessions:
         return
     with connection.cursor() as cursor:
         cursor.execute(
             f"SET statement_timeout = {int(WRITE_TIMEOUT_MS)}; SET synchronous_commit = off"
         )
-    connection.predlog_session = raw
+    _configured_sessions.add(raw)

@@ -59,10 +59,8 @@ class RouteMissing(Exception):
 
 
 def route_of(version: ModelVersion) -> Route:
-    logging = {
-        "log_sample_rate": version.model.log_sample_rate,
-        "personal_fields": tuple(sorted(version.personal_fields.items())),
-    }
+    log_sample_rate = version.model.log_sample_rate
+    personal_fields = tuple(sorted(version.personal_fields.items()))
     if version.generates_text:
         return Route(
             tenant_id=version.model.tenant_id,
@@ -77,7 +75,8 @@ def route_of(version: ModelVersion) -> Route:
             generates_text=True,
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,
-            **logging,
+            log_sample_rate=log_sample_rate,
+            personal_fields=personal_fields,
         )
     return Route(
         tenant_id=version.model.tenant_id,
@@ -92,7 +91,8 @@ def route_of(version: ModelVersion) -> Route:
         ),
         outputs=tuple(version.outputs),
         feature_names=tuple(version.feature_names),
-        **logging,
+        log_sample_rate=log_sample_rate,
+        personal_fields=personal_fields,
     )
 
 

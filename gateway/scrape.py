@@ -10,11 +10,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from platform_site.tokens import bearer
 
+from .asgi_types import Receive, Scope, Send
 from .metrics import exposition
 from .state import get_state
 
 
-async def metrics_app(scope: dict, receive, send) -> None:
+async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /metrics`` as a lean ASGI app. With ``SWITCHYARD_METRICS_TOKEN`` set, scrapers
     must send it as a bearer token (metrics name tenants and models)."""
     headers = dict(scope["headers"])

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from channels.db import database_sync_to_async
-from channels.layers import InMemoryChannelLayer, get_channel_layer
+from channels.layers import BaseChannelLayer, InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
@@ -75,8 +75,8 @@ class GatewayState:
         self._generation: int | None = None
         self._key_use: dict[int, datetime] = {}
         self._last_flush = time.monotonic()
-        self._task: asyncio.Task | None = None
-        self._reply_task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._reply_task: asyncio.Task[None] | None = None
         self.agent_consumers: set = set()  # AgentConsumer instances held by this process
         self.cold_start_hold_s = settings.SWITCHYARD_COLD_START_HOLD_S
         # version id -> (when this process last woke it, the call saying if it is deployed)
@@ -193,6 +193,7 @@ class GatewayState:
         if (
             self.log_predictions
             and route is not None
+            and observed.names is not None
             and observed.arrays is not None
             and route.log_sample_rate > 0
         ):
@@ -258,7 +259,7 @@ class GatewayState:
         if remote and self._reply_task is None:
             await self._start_reply_listener(layer)
 
-    async def _start_reply_listener(self, layer) -> None:
+    async def _start_reply_listener(self, layer: BaseChannelLayer) -> None:
         channel = await layer.new_channel("gateway.")
 
         async def send(agent_channel: str, frame: bytes) -> None:

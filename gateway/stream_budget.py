@@ -165,7 +165,13 @@ class RedisStreamBudget:
 
     async def admit(self, identity: KeyIdentity, prompt_tokens: int) -> str:
         slot = f"{self._process}:{next(self._slots)}"
-        args = [identity.tokens_per_minute, identity.max_streams, prompt_tokens, slot, self._ttl]
+        args: list[int | str] = [
+            identity.tokens_per_minute,
+            identity.max_streams,
+            prompt_tokens,
+            slot,
+            self._ttl,
+        ]
         code, wait_ms = await self._admit(keys=self._keys(identity), args=args)
         if code == 1:
             raise too_many_streams(identity)
@@ -177,7 +183,7 @@ class RedisStreamBudget:
         await self._renew(keys=self._keys(identity)[:1], args=[slot, self._ttl])
 
     async def finish(self, identity: KeyIdentity, slot: str, output_tokens: int) -> None:
-        args = [identity.tokens_per_minute, output_tokens, slot]
+        args: list[int | str] = [identity.tokens_per_minute, output_tokens, slot]
         await self._finish(keys=self._keys(identity), args=args)
 
     async def close(self) -> None:

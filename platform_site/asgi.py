@@ -15,6 +15,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
 from gateway.state import all_states  # noqa: E402
@@ -27,7 +28,7 @@ static_app = ASGIStaticFilesHandler(django_app)
 STATIC_PREFIX = "/" + settings.STATIC_URL.lstrip("/")
 
 
-async def http_app(scope, receive, send):
+async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/"):
         await oip_app(scope, receive, send)
@@ -39,7 +40,7 @@ async def http_app(scope, receive, send):
         await django_app(scope, receive, send)
 
 
-async def lifespan_app(scope, receive, send):
+async def lifespan_app(scope: Scope, receive: Receive, send: Send) -> None:
     """Acknowledge uvicorn's lifespan events; state starts lazily on the first request."""
     while True:
         message = await receive()

@@ -11,8 +11,10 @@ environment variable it comes from (``settings.SWITCHYARD_INFER_TIMEOUT_S`` is
 """
 
 import os
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
+from typing import TypeVar
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -49,7 +51,10 @@ def env_float(name: str, default: float) -> float:
     return _parsed(name, default, float)
 
 
-def _parsed(name: str, default, kind):
+_Number = TypeVar("_Number", int, float)
+
+
+def _parsed(name: str, default: _Number, kind: Callable[[str], _Number]) -> _Number:
     value = env(name, "")
     if value.strip() == "":
         return default
@@ -58,6 +63,14 @@ def _parsed(name: str, default, kind):
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ImproperlyConfigured(f"{name}={value!r} is not {what}") from None
+
+
+def package_dir(name: str) -> Path:
+    """The folder of an installed package (some serve their files as static files)."""
+    spec = find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ImproperlyConfigured(f"the package {name!r} is not installed")
+    return Path(spec.origin).parent
 
 
 SWITCHYARD_VAR_DIR = Path(env("SWITCHYARD_VAR_DIR", str(BASE_DIR / "var")))
@@ -225,7 +238,7 @@ STATIC_ROOT.mkdir(exist_ok=True)
 # The web UI's CSS/JS, and Plotly's bundle from the installed package: no CDN on closed networks.
 STATICFILES_DIRS = [
     BASE_DIR / "static",
-    ("vendor", Path(find_spec("plotly").origin).parent / "package_data"),
+    ("vendor", package_dir("plotly") / "package_data"),
 ]
 MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(SWITCHYARD_VAR_DIR / "media")))
 MEDIA_URL = "media/"

@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.http import JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
 from django.views.defaults import page_not_found
 from django.views.defaults import server_error as django_server_error
@@ -8,13 +8,13 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from gateway import openai_api
 
 
-def not_found(request, exception=None):
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if request.path.startswith(("/api/", "/v1/")):
         return JsonResponse({"error": f"no such endpoint: {request.path}"}, status=404)
     return page_not_found(request, exception)
 
 
-def server_error(request):
+def server_error(request: HttpRequest) -> HttpResponse:
     if request.path.startswith("/api/"):
         return JsonResponse({"error": "internal server error"}, status=500)
     return django_server_error(request)

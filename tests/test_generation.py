@@ -17,7 +17,14 @@ from django.core.files.base import ContentFile
 from django.test import AsyncClient
 
 from gateway import generate_ws, openai_api
-from gateway.dispatch import STREAM_BUFFER, AgentLink, SlowClient, StreamInbox
+from gateway.dispatch import (
+    STREAM_BUFFER,
+    AgentLink,
+    AgentPool,
+    DispatchError,
+    SlowClient,
+    StreamInbox,
+)
 from gateway.state import GatewayState
 from platform_site.routing import websocket_urlpatterns
 from registry.models import ArtifactFormat, ModelVersion
@@ -26,6 +33,7 @@ from serving_agent.protocol import (
     CancelGenerate,
     GenerateDone,
     GenerateRequest,
+    InferResult,
     TokenChunk,
     decode_frame,
     encode_frame,
@@ -324,8 +332,6 @@ def test_a_client_that_does_not_read_is_cut_off_not_buffered():
         streams = {7: stream}
         for _ in range(STREAM_BUFFER):
             assert stream.push(TokenChunk(7, "x", 1))
-        from gateway.dispatch import AgentPool
-
         AgentPool._feed(streams, TokenChunk(7, "x", 1))  # one more than the buffer holds
         await asyncio.sleep(0)
         with pytest.raises(SlowClient):
@@ -334,6 +340,35 @@ def test_a_client_that_does_not_read_is_cut_off_not_buffered():
 
     streams = run(scenario)
     assert streams == {} and isinstance(decode_frame(sent[0])[0], CancelGenerate)
+
+
+def test_a_frame_of_the_wrong_kind_from_an_agent_fails_the_request_with_502():
+    """A stream's frame cannot answer a request, nor a result a stream: the agent broke the
+    protocol, and the caller gets a 502 instead of a reply it cannot read."""
+
+    async def send(frame: bytes) -> None:
+        pass
+
+    async def scenario():
+        pool = AgentPool()
+        link = AgentLink("fake", send)
+        pool.add(link)
+        pool.set_ready(link, 1, True)
+        request = asyncio.ensure_future(pool.infer(1, [], [], None, 1.0))
+        await asyncio.sleep(0)  # the request is sent and waits for its answer
+        (request_id,) = link.pending
+        pool.deliver(link, encode_frame(TokenChunk(request_id, "x", 1)))
+        with pytest.raises(DispatchError) as request_failed:
+            await request
+        stream = await pool.open_stream(GenerateRequest(id=0, version_id=1, prompt="x"))
+        pool.deliver(link, encode_frame(InferResult(stream.id, [])))
+        with pytest.raises(DispatchError) as stream_failed:
+            await stream.next(1.0)
+        return request_failed.value, stream_failed.value
+
+    request_error, stream_error = run(scenario)
+    assert request_error.status == 502 and "TokenChunk" in request_error.message
+    assert stream_error.status == 502 and "result" in stream_error.message
 
 
 def test_the_playground_streams_with_the_signed_in_session(writer, state, client):

@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -29,18 +30,18 @@ CLOSE_NO_TENANT = 4403
 CLOSE_NOT_FOUND = 4404
 
 
-def plan_update(tenant_id: int, plan_id: int) -> dict | None:
+def plan_update(tenant_id: int, plan_id: int) -> dict[str, Any] | None:
     plan = plans_of(tenant_id).filter(pk=plan_id).first()  # afresh: state and weight move
     return None if plan is None else {"type": "plan"} | plan_snapshot(plan)
 
 
-def dashboard_update(tenant_id: int) -> dict:
+def dashboard_update(tenant_id: int) -> dict[str, Any]:
     return {"type": "dashboard"} | dashboard_snapshot(tenant_id)
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
-        self.pusher: asyncio.Task | None = None
+        self.pusher: asyncio.Task[None] | None = None
         self.tenant_id: int | None = None
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
@@ -53,7 +54,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         self.tenant_id = membership.tenant_id
 
-    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
         # Malformed JSON is a bad message (close 4400), not a crash with a traceback.
         try:
             content = json.loads(text_data) if text_data else None
@@ -61,10 +64,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             content = None
         await self.receive_json(content)
 
-    async def receive_json(self, content, **kwargs) -> None:
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
         kind = content.get("subscribe") if isinstance(content, dict) else None
         if self.tenant_id is None:
             return
+        build: Callable[[], dict[str, Any] | None]
         if kind == "dashboard":
             build = partial(dashboard_update, self.tenant_id)
         elif kind == "plan" and isinstance(content.get("id"), int):
@@ -80,7 +84,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(first)
         self.pusher = asyncio.create_task(self._push(build))
 
-    async def _push(self, build: Callable[[], dict | None]) -> None:
+    async def _push(self, build: Callable[[], dict[str, Any] | None]) -> None:
         try:
             while True:
                 await asyncio.sleep(INTERVAL_S)

@@ -5,13 +5,15 @@ that renders the first paint and answers the page's JSON poll, so both always ag
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Sum
 from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 
 from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
@@ -23,7 +25,7 @@ from rollouts.arms import plan_arms
 from rollouts.models import ACTIVE_STATES
 from tenants.members import can_write
 
-from .pages import page, tenant_view
+from .pages import TenantRequest, page, tenant_view
 
 DRIFT_CHART = timedelta(hours=24)
 TRAFFIC_CHART = timedelta(hours=3)
@@ -45,7 +47,7 @@ def chosen_version(model: Model, number: str | None) -> ModelVersion | None:
     return alias.version if alias else versions.order_by("-version").first()
 
 
-def psi_series(version: ModelVersion, names: list[str], since) -> dict:
+def psi_series(version: ModelVersion, names: list[str], since: datetime) -> dict[str, Any]:
     """Each named feature's PSI (and the scores') per report since ``since``, read out of the
     reports' JSON by the database: a day of reports with their histograms is megabytes."""
     fields = {
@@ -57,7 +59,12 @@ def psi_series(version: ModelVersion, names: list[str], since) -> dict:
         .annotate(score_psi=KeyTransform("psi", "score"), **fields)
         .values_list("created_at", "threshold", "score_psi", *fields)
     )
-    series: dict = {"t": [], "threshold": [], SCORE: [], "features": {n: [] for n in names}}
+    series: dict[str, Any] = {
+        "t": [],
+        "threshold": [],
+        SCORE: [],
+        "features": {n: [] for n in names},
+    }
     for at, threshold, score, *values in rows:
         series["t"].append(at.isoformat())
         series["threshold"].append(threshold)
@@ -67,7 +74,7 @@ def psi_series(version: ModelVersion, names: list[str], since) -> dict:
     return series
 
 
-def bin_labels(entry: dict) -> list[str]:
+def bin_labels(entry: dict[str, Any]) -> list[str]:
     """Readable bins of a report's histogram: categories as they are; numeric bins from the
     reference's edges, the outer two open-ended (as ``monitoring.drift.bin_shares`` fills them)."""
     if entry.get("categories") is not None:
@@ -83,7 +90,7 @@ def bin_labels(entry: dict) -> list[str]:
     )
 
 
-def histogram(report: DriftReport, feature: str | None) -> dict | None:
+def histogram(report: DriftReport, feature: str | None) -> dict[str, Any] | None:
     """Reference against current shares of one feature of a report (default: the most
     drifted), with the names a select offers."""
     entries = {**report.features, **({SCORE: report.score} if report.score else {})}
@@ -105,7 +112,7 @@ def histogram(report: DriftReport, feature: str | None) -> dict | None:
     }
 
 
-def feature_rows(report: DriftReport) -> list[dict]:
+def feature_rows(report: DriftReport) -> list[dict[str, Any]]:
     """The latest report as a table: distances and data-quality counts per feature, worst
     first; a feature only in the quality counts (one the reference lacks) too."""
     entries = {**report.features, **({SCORE: report.score} if report.score else {})}
@@ -140,7 +147,7 @@ def arm_names(model: Model) -> dict[int, str]:
     return {vid: name for name, vid, _ in plan_arms(plan)}
 
 
-def traffic_series(model: Model, since) -> dict[str, list[dict]]:
+def traffic_series(model: Model, since: datetime) -> dict[str, list[dict[str, Any]]]:
     """Per version (named with its arm), one point per minute with traffic: requests,
     error rate and p50/p95/p99 (None above the histogram's last bound)."""
     buckets = {f"b{i}": Sum(bucket_count(i)) for i in range(N_BUCKETS)}
@@ -152,7 +159,7 @@ def traffic_series(model: Model, since) -> dict[str, list[dict]]:
         .order_by("version__version", "minute")
     )
     arms = arm_names(model)
-    series: dict[str, list[dict]] = {}
+    series: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         arm = arms.get(row["version_id"])
         label = f"v{row['version__version']}" + (f" · {arm}" if arm else "")
@@ -173,7 +180,12 @@ def traffic_series(model: Model, since) -> dict[str, list[dict]]:
     return series
 
 
-def drift_empty_state(model: Model, version: ModelVersion | None, reference, reports: bool):
+def drift_empty_state(
+    model: Model,
+    version: ModelVersion | None,
+    reference: Mapping[str, Any] | None,
+    reports: bool,
+) -> str | None:
     """What the page says instead of drift charts, naming what to do next; None when there
     are reports to show."""
     if version is None:
@@ -199,12 +211,12 @@ def drift_empty_state(model: Model, version: ModelVersion | None, reference, rep
     )
 
 
-def drift_snapshot(model: Model, version_number: str | None, feature: str | None) -> dict:
+def drift_snapshot(model: Model, version_number: str | None, feature: str | None) -> dict[str, Any]:
     """Everything the drift page draws, for one version of the model."""
     now = timezone.now()
     version = chosen_version(model, version_number)
     versions = list(model.versions.order_by("-version").values_list("version", flat=True))
-    snapshot: dict = {
+    snapshot: dict[str, Any] = {
         "model": model.name,
         "version": version.version if version else None,
         "versions": versions,
@@ -242,24 +254,25 @@ def drift_snapshot(model: Model, version_number: str | None, feature: str | None
             "features": rows,
         }
         names = [r["feature"] for r in rows if r["feature"] in latest.features]
+        assert version is not None  # latest is a report of this version
         snapshot["psi"] = psi_series(version, names, now - DRIFT_CHART)
         snapshot["histogram"] = histogram(latest, feature)
     return snapshot
 
 
-def _model(request: HttpRequest, name: str) -> Model:
+def _model(request: TenantRequest, name: str) -> Model:
     return model_for(request.membership.tenant_id, name)
 
 
 @tenant_view
-def drift(request: HttpRequest, name: str) -> HttpResponse:
+def drift(request: TenantRequest, name: str) -> HttpResponse:
     model = _model(request, name)
     snapshot = drift_snapshot(model, request.GET.get("version"), request.GET.get("feature"))
     return page(request, "drift.html", {"model": model, "snapshot": snapshot})
 
 
 @tenant_view
-def drift_data(request: HttpRequest, name: str) -> JsonResponse:
+def drift_data(request: TenantRequest, name: str) -> JsonResponse:
     model = _model(request, name)
     return JsonResponse(
         drift_snapshot(model, request.GET.get("version"), request.GET.get("feature"))
@@ -269,7 +282,7 @@ def drift_data(request: HttpRequest, name: str) -> JsonResponse:
 # SLOs ----------------------------------------------------------------------------------------
 
 
-def slo_snapshot(tenant_id: int) -> dict:
+def slo_snapshot(tenant_id: int) -> dict[str, Any]:
     """Every model of the tenant: both SLIs with budget and burn rates, and the burn chart."""
     now = timezone.now()
     return {
@@ -282,12 +295,12 @@ def slo_snapshot(tenant_id: int) -> dict:
 
 
 @tenant_view
-def slo(request: HttpRequest) -> HttpResponse:
+def slo(request: TenantRequest) -> HttpResponse:
     return page(request, "slo.html", {"snapshot": slo_snapshot(request.membership.tenant_id)})
 
 
 @tenant_view
-def slo_data(request: HttpRequest) -> JsonResponse:
+def slo_data(request: TenantRequest) -> JsonResponse:
     return JsonResponse(slo_snapshot(request.membership.tenant_id))
 
 
@@ -295,7 +308,7 @@ def slo_data(request: HttpRequest) -> JsonResponse:
 
 
 @tenant_view
-def alerts(request: HttpRequest) -> HttpResponse:
+def alerts(request: TenantRequest) -> HttpResponse:
     tenant = request.membership.tenant
     rows = Alert.objects.filter(tenant=tenant).select_related("model")
     writer = can_write(request.membership)

@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 from urllib.parse import urlencode
 
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
+from django.db.models import QuerySet
+from django.http import HttpResponse
 from django.utils import timezone
 
 from monitoring.models import PredictionLog
 from monitoring.quality import BUCKETS, logged_predictions, online_quality
 from registry.access import model_for
 
-from .pages import page, tenant_view
+from .pages import TenantRequest, page, tenant_view
+
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
 
 PAGE_SIZE = 50
 QUALITY_WINDOW = {"hour": timedelta(hours=48), "day": timedelta(days=30)}
 PREVIEW_COLUMNS = 4
+
+
+class Labelled(TypedDict):
+    label: Any  # the feedback's label (JSON); None without feedback
 
 
 def _int_or_none(text: str) -> int | None:
@@ -27,17 +36,23 @@ def _int_or_none(text: str) -> int | None:
 
 
 @tenant_view
-def model_predictions(request: HttpRequest, name: str) -> HttpResponse:
+def model_predictions(request: TenantRequest, name: str) -> HttpResponse:
     model = model_for(request.membership.tenant_id, name)
     filters = {k: request.GET.get(k, "").strip() for k in ("version", "status", "request_id")}
-    rows = logged_predictions(
-        model,
-        version=_int_or_none(filters["version"]),
-        status=_int_or_none(filters["status"]),
-        request_id=filters["request_id"] or None,
+    # Each row comes with its label, which logged_predictions annotates.
+    rows = cast(
+        "QuerySet[WithAnnotations[PredictionLog, Labelled]]",
+        logged_predictions(
+            model,
+            version=_int_or_none(filters["version"]),
+            status=_int_or_none(filters["status"]),
+            request_id=filters["request_id"] or None,
+        ),
     )
     rows_page = Paginator(rows, PAGE_SIZE).get_page(request.GET.get("page"))
-    bucket = request.GET.get("bucket") if request.GET.get("bucket") in BUCKETS else "hour"
+    bucket = request.GET.get("bucket", "hour")
+    if bucket not in BUCKETS:
+        bucket = "hour"
     since = timezone.now() - QUALITY_WINDOW[bucket]
     series = online_quality(model.tenant_id, model, since, bucket)
     return page(
@@ -58,7 +73,7 @@ def model_predictions(request: HttpRequest, name: str) -> HttpResponse:
     )
 
 
-def display_row(row: PredictionLog) -> dict:
+def display_row(row: WithAnnotations[PredictionLog, Labelled]) -> dict[str, Any]:
     """A log row as the table shows it: the first few input columns, scores and label."""
     columns = list(row.inputs.items())
     preview = ", ".join(f"{k}={_first(v)}" for k, v in columns[:PREVIEW_COLUMNS])
@@ -76,7 +91,7 @@ def display_row(row: PredictionLog) -> dict:
     }
 
 
-def _first(values: object) -> str:
+def _first(values: list[Any] | dict[str, Any]) -> str:
     if isinstance(values, dict):  # a high-rank input logged by its shape only
         return f"shape {values.get('shape')}"
     if not values:
@@ -89,9 +104,9 @@ def _first(values: object) -> str:
 METRICS = {"classifier": ("accuracy", "auc"), "regressor": ("mae",)}
 
 
-def quality_chart(task: str, series: list[dict]) -> dict:
+def quality_chart(task: str, series: list[dict[str, Any]]) -> dict[str, Any]:
     """Plotly-ready lines: one per version and arm, with the metric per bucket."""
-    lines: dict[str, dict] = {}
+    lines: dict[str, dict[str, Any]] = {}
     metrics = METRICS.get(task, ())
     for point in series:
         name = f"v{point['version']}" + (f" · {point['arm']}" if point["arm"] else "")
@@ -105,10 +120,10 @@ def quality_chart(task: str, series: list[dict]) -> dict:
     return {"task": task, "metrics": list(metrics), "lines": list(lines.values())}
 
 
-def quality_totals(series: list[dict]) -> list[dict]:
+def quality_totals(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Logged and labelled counts per version and arm over the chart's window."""
     counts = ("logged", "labelled", "labelled_rows")
-    totals: dict[tuple, dict] = {}
+    totals: dict[tuple[int, str], dict[str, Any]] = {}
     for point in series:
         key = (point["version"], point["arm"])
         total = totals.setdefault(

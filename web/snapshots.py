@@ -3,7 +3,8 @@ socket, so a page and its live updates always agree."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.utils import timezone
 
@@ -27,7 +28,7 @@ def active_plans(tenant_id: int) -> dict[tuple[int, str], RolloutPlan]:
     return {(p.model_id, p.alias): p for p in plans}
 
 
-def plan_split(plan: RolloutPlan, numbers: dict[int, int]) -> list[dict]:
+def plan_split(plan: RolloutPlan, numbers: dict[int, int]) -> list[dict[str, Any]]:
     """The arms that answer clients, with version numbers and weights (shadow copies left out)."""
     return [
         {"arm": name, "version": numbers.get(vid), "weight": weight}
@@ -36,7 +37,7 @@ def plan_split(plan: RolloutPlan, numbers: dict[int, int]) -> list[dict]:
     ]
 
 
-def model_row(model: Model, plans: dict[tuple[int, str], RolloutPlan]) -> dict:
+def model_row(model: Model, plans: dict[tuple[int, str], RolloutPlan]) -> dict[str, Any]:
     """One dashboard row: each alias's live split, and the model's traffic over the last minute."""
     numbers = {v.pk: v.version for v in model.versions.all()}
     aliases = []
@@ -65,7 +66,7 @@ def model_row(model: Model, plans: dict[tuple[int, str], RolloutPlan]) -> dict:
     }
 
 
-def agents_of(tenant_id: int) -> list[dict]:
+def agents_of(tenant_id: int) -> list[dict[str, Any]]:
     """Live agents that serve this tenant (``rollouts.deployments.tenant_agents``: never another
     tenant's replicas or versions), as the dashboard lists them."""
     now = timezone.now()
@@ -84,7 +85,7 @@ def agents_of(tenant_id: int) -> list[dict]:
     ]
 
 
-def dashboard_snapshot(tenant_id: int) -> dict:
+def dashboard_snapshot(tenant_id: int) -> dict[str, Any]:
     plans = active_plans(tenant_id)
     models = models_of(tenant_id).prefetch_related("aliases__version", "versions")
     return {
@@ -93,7 +94,7 @@ def dashboard_snapshot(tenant_id: int) -> dict:
     }
 
 
-def plan_snapshot(plan: RolloutPlan) -> dict:
+def plan_snapshot(plan: RolloutPlan) -> dict[str, Any]:
     """A plan's state, split, per-arm numbers for the current step and 15 minutes of series."""
     numbers = dict(plan.model.versions.values_list("pk", "version"))
     return {
@@ -128,7 +129,7 @@ CHART_WINDOW = timedelta(minutes=30)  # at the 5 s control loop, 360 points per 
 RECENT_DECISIONS = 20
 
 
-def decision_row(decision: ScalingDecision) -> dict:
+def decision_row(decision: ScalingDecision) -> dict[str, Any]:
     """A decision with the inputs a person reads first: the load it answered (queued, running
     and held requests, as the autoscaler sums them), the p99 and the replicas it saw."""
     inputs = decision.inputs or {}
@@ -150,7 +151,7 @@ def decision_row(decision: ScalingDecision) -> dict:
     }
 
 
-def replica_series(deployment: Deployment, since) -> dict:
+def replica_series(deployment: Deployment, since: datetime) -> dict[str, list[Any]]:
     """Desired, accepted and live replicas per decision since ``since``, for the chart."""
     rows = (
         deployment.decisions.filter(created_at__gte=since)
@@ -166,7 +167,7 @@ def replica_series(deployment: Deployment, since) -> dict:
     return series
 
 
-def fleet_snapshot(tenant_id: int) -> dict:
+def fleet_snapshot(tenant_id: int) -> dict[str, Any]:
     """The fleet page: each deployment's replicas (desired, live, ready), its recent decisions
     and their chart, and the agents serving the tenant."""
     now = timezone.now()

@@ -3,6 +3,7 @@ goes through the REST API from the page's JavaScript, so the UI has no second wr
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib.auth.decorators import login_required
@@ -19,7 +20,7 @@ from tenants.audit import audit_events
 from tenants.members import SESSION_KEY, memberships_of
 from tenants.models import AuditEvent, Role
 
-from .pages import page, tenant_view
+from .pages import TenantRequest, page, tenant_view
 from .snapshots import dashboard_snapshot, fleet_snapshot, plan_snapshot
 
 AUDIT_PAGE_SIZE = 50
@@ -27,12 +28,12 @@ LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/", "/slo/", "/alerts/")
 
 
 @tenant_view
-def home(request: HttpRequest) -> HttpResponse:
+def home(request: TenantRequest) -> HttpResponse:
     return page(request, "home.html", {"snapshot": dashboard_snapshot(_tenant_id(request))})
 
 
 @tenant_view
-def model_detail(request: HttpRequest, name: str) -> HttpResponse:
+def model_detail(request: TenantRequest, name: str) -> HttpResponse:
     model = model_for(_tenant_id(request), name)
     versions = model.versions.select_related("parent").order_by("-version")
     aliases = model.aliases.select_related("version").order_by("name")
@@ -55,7 +56,7 @@ def model_detail(request: HttpRequest, name: str) -> HttpResponse:
 
 
 @tenant_view
-def playground(request: HttpRequest, name: str) -> HttpResponse:
+def playground(request: TenantRequest, name: str) -> HttpResponse:
     """Type a prompt, watch the tokens stream over the generation websocket (signed in with
     the session), see time to first token and tokens per second."""
     model = model_for(_tenant_id(request), name)
@@ -69,7 +70,7 @@ def playground(request: HttpRequest, name: str) -> HttpResponse:
 
 
 @tenant_view
-def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
+def rollout_detail(request: TenantRequest, plan_id: int) -> HttpResponse:
     plan = plan_for(_tenant_id(request), plan_id)
     return page(
         request,
@@ -83,14 +84,14 @@ def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
 
 
 @tenant_view
-def fleet(request: HttpRequest) -> HttpResponse:
+def fleet(request: TenantRequest) -> HttpResponse:
     """Deployments with their replicas and the autoscaler's decisions, and the live agents.
     The page's script fetches it again every few seconds and swaps the changed parts in."""
     return page(request, "fleet.html", {"fleet": fleet_snapshot(_tenant_id(request))})
 
 
 @tenant_view
-def approvals(request: HttpRequest) -> HttpResponse:
+def approvals(request: TenantRequest) -> HttpResponse:
     rows = approvals_of(_tenant_id(request))
     return page(
         request,
@@ -103,7 +104,7 @@ def approvals(request: HttpRequest) -> HttpResponse:
 
 
 @tenant_view
-def approval_detail(request: HttpRequest, approval_id: int) -> HttpResponse:
+def approval_detail(request: TenantRequest, approval_id: int) -> HttpResponse:
     approval = approval_for(_tenant_id(request), approval_id)
     own = approval.requested_by_id == request.user.pk
     return page(
@@ -121,7 +122,7 @@ def approval_detail(request: HttpRequest, approval_id: int) -> HttpResponse:
 
 
 @tenant_view
-def audit(request: HttpRequest) -> HttpResponse:
+def audit(request: TenantRequest) -> HttpResponse:
     filters = {k: request.GET.get(k, "").strip() for k in ("action", "actor", "q")}
     events = audit_events(_tenant_id(request), filters)
     events_page = Paginator(events, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
@@ -160,7 +161,7 @@ def _ms(x: float | None) -> str:
     return "> 10 s" if x is None else f"{x:g} ms"  # None: the histogram's open-ended bucket
 
 
-def _weight(arm: dict) -> str:
+def _weight(arm: dict[str, Any]) -> str:
     if arm["arm"] == "shadow":
         return "copy"
     return "–" if arm["weight"] is None else f"{arm['weight']:g} %"  # None: no plan, no split
@@ -169,7 +170,7 @@ def _weight(arm: dict) -> str:
 ARM_FORMATS = {"error_rate": _pct, "p50_ms": _ms, "p95_ms": _ms, "p99_ms": _ms}
 
 
-def evidence_display(evidence: dict) -> dict:
+def evidence_display(evidence: dict[str, Any]) -> dict[str, Any]:
     """Evidence numbers as an approver reads them: percentages, milliseconds, signed diffs."""
     arms = [
         {
@@ -207,11 +208,11 @@ def evidence_display(evidence: dict) -> dict:
     }
 
 
-def changes(before: dict, after: dict) -> list[tuple[str, object, object]]:
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, object, object]]:
     """(key, before, after) for the keys an audit event changed, for a compact display."""
     keys = list(dict.fromkeys([*before, *after]))
     return [(k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)]
 
 
-def _tenant_id(request: HttpRequest) -> int:
+def _tenant_id(request: TenantRequest) -> int:
     return request.membership.tenant_id

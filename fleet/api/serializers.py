@@ -60,7 +60,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
 def deployment_data(deployments: list[Deployment]) -> list[dict[str, Any]]:
     counts = replica_counts(d.pk for d in deployments)
-    return DeploymentSerializer(deployments, many=True, context={"replicas": counts}).data
+    # many=True makes a list serializer, whose data is a list; the stubs type it as one row's.
+    return DeploymentSerializer(  # type: ignore[return-value]
+        deployments, many=True, context={"replicas": counts}
+    ).data
 
 
 class DeploymentInputSerializer(serializers.ModelSerializer):

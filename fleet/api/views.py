@@ -12,12 +12,13 @@ from rest_framework import status
 from rest_framework.exceptions import NotFound
 from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.tokens import bearer
 from registry.models import ModelVersion
-from tenants.authentication import TenantRolePermission, actor_of
+from tenants.authentication import Caller, TenantRolePermission, actor_of
 
 from ..assignments import may_download
 from ..deployments import (
@@ -43,12 +44,19 @@ from .serializers import (
 )
 
 
+class CallerRequest(Request):
+    """For type checking only: a request that passed ``TenantRolePermission``, which sets
+    ``caller`` on it."""
+
+    caller: Caller
+
+
 class DeploymentListView(APIView):
     permission_classes = [TenantRolePermission]
     parser_classes = [JSONParser]
 
     @extend_schema(responses=DeploymentSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         return Response(deployment_data(list(deployments_of(request.caller.tenant_id))))
 
     @extend_schema(
@@ -56,7 +64,7 @@ class DeploymentListView(APIView):
         responses={201: DeploymentSerializer},
         description="Deploy a version on a pool. 409 when it already has a deployment there.",
     )
-    def post(self, request):
+    def post(self, request: CallerRequest) -> Response:
         body = DeploymentInputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         values = dict(body.validated_data)
@@ -71,12 +79,12 @@ class DeploymentDetailView(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema(responses=DeploymentSerializer)
-    def get(self, request, deployment_id: int):
+    def get(self, request: CallerRequest, deployment_id: int) -> Response:
         deployment = deployment_for(request.caller.tenant_id, deployment_id)
         return Response(deployment_data([deployment])[0])
 
     @extend_schema(request=DeploymentInputSerializer, responses=DeploymentSerializer)
-    def patch(self, request, deployment_id: int):
+    def patch(self, request: CallerRequest, deployment_id: int) -> Response:
         deployment = deployment_for(request.caller.tenant_id, deployment_id)
         body = DeploymentInputSerializer(data=request.data, partial=True)
         body.is_valid(raise_exception=True)
@@ -87,7 +95,7 @@ class DeploymentDetailView(APIView):
         responses={204: None},
         description="409 while replicas run: set min_replicas to 0 and wait for scale to zero.",
     )
-    def delete(self, request, deployment_id: int):
+    def delete(self, request: CallerRequest, deployment_id: int) -> Response:
         deployment = deployment_for(request.caller.tenant_id, deployment_id)
         delete_deployment(deployment, actor_of(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -99,7 +107,7 @@ class DecisionListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(parameters=[DecisionFilter], responses=DecisionSerializer(many=True))
-    def get(self, request, deployment_id: int):
+    def get(self, request: CallerRequest, deployment_id: int) -> Response:
         deployment = deployment_for(request.caller.tenant_id, deployment_id)
         where = DecisionFilter(data=request.query_params)
         where.is_valid(raise_exception=True)
@@ -113,7 +121,7 @@ class PoolListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=PoolSerializer(many=True))
-    def get(self, request):
+    def get(self, request: Request) -> Response:
         return Response(PoolSerializer(Pool.objects.order_by("name"), many=True).data)
 
 
@@ -123,7 +131,7 @@ class AgentListView(APIView):
     permission_classes = [TenantRolePermission]
 
     @extend_schema(responses=AgentSerializer(many=True))
-    def get(self, request):
+    def get(self, request: CallerRequest) -> Response:
         agents = tenant_agents(request.caller.tenant_id)
         return Response(AgentSerializer(agents, many=True).data)
 
@@ -135,7 +143,7 @@ class ArtifactView(APIView):
     permission_classes = [AllowAny]
 
     @extend_schema(exclude=True)
-    def get(self, request, version_id: int):
+    def get(self, request: Request, version_id: int) -> Response | FileResponse:
         node = authenticate_node(bearer(request.META.get("HTTP_AUTHORIZATION")))
         if node is None:
             return Response(

@@ -181,6 +181,7 @@ class KubernetesBackend:
                     continue  # created by someone else meanwhile: update it instead
                 return self.api_client.sanitize_for_serialization(created)
             body = copy.deepcopy(manifest)
+            assert current.metadata is not None  # the API always sends an object's metadata
             body["metadata"]["resourceVersion"] = current.metadata.resource_version
             if current.spec.replicas is not None:
                 body["spec"]["replicas"] = current.spec.replicas
@@ -226,6 +227,7 @@ class KubernetesBackend:
                     changed=False,
                     detail=f"already at {replicas} replicas",
                 )
+            assert current.metadata is not None  # the API always sends an object's metadata
             body = client.V1Scale(
                 api_version="autoscaling/v1",
                 kind="Scale",

@@ -119,7 +119,7 @@ class LocalBackend:
         with self._locked(name):
             current = self._read_spec(name)
             now = _now()
-            spec = {
+            spec: dict[str, Any] = {
                 "name": name,
                 "desired": current["desired"] if current else 0,
                 "template": asdict(template),
@@ -221,7 +221,7 @@ class LocalBackend:
         """Stop every replica's process but keep the specs, as when the machine shuts down:
         the next ``reconcile_all`` starts them again at their desired counts. Returns the
         names of the deployments whose replicas were stopped."""
-        stopped = []
+        stopped: list[str] = []
         if not self.state_dir.is_dir():
             return stopped
         for entry in sorted(self.state_dir.iterdir()):

@@ -7,12 +7,14 @@ servers; it hands the work to the same async pipeline as OIP v2 on the server's 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpResponse
+from django.http import HttpRequest, HttpResponse
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -21,7 +23,7 @@ from ..dispatch import in_background
 from ..metrics import Observed
 from ..pipeline import ApiError
 from ..predict_codec import arrays_from_predict_body
-from ..state import get_state
+from ..state import GatewayState, get_state
 
 
 class PredictRequest(serializers.Serializer):
@@ -54,13 +56,18 @@ class AsyncPipelineView(APIView):
     authentication_classes = []  # the pipeline authenticates from its in-process key cache
     permission_classes = [AllowAny]
 
-    async def dispatch(self, request, *args, **kwargs):
+    # Async on purpose (Django awaits it, as its handlers are coroutines); the stubs know only
+    # a sync dispatch.
+    async def dispatch(  # type: ignore[override]
+        self, request: HttpRequest, *args: Any, **kwargs: Any
+    ) -> HttpResponse:
         self.args, self.kwargs = args, kwargs
         request = self.initialize_request(request, *args, **kwargs)
         self.request = request
         self.headers = self.default_response_headers
         try:
             self.initial(request, *args, **kwargs)
+            assert request.method is not None  # every request a server hands over has one
             handler = getattr(self, request.method.lower(), self.http_method_not_allowed)
             response = handler(request, *args, **kwargs)
             if inspect.isawaitable(response):
@@ -82,7 +89,7 @@ class PredictView(AsyncPipelineView):
         examples=[OpenApiExample("named features", value={"instances": [{"amount": 12.5}]})],
         description="Bearer API key required. Runs the model behind the `production` alias.",
     )
-    async def post(self, request, name: str, version: int | None = None):
+    async def post(self, request: Request, name: str, version: int | None = None) -> Response:
         state = get_state()
         try:
             trace = tracing.start_trace(
@@ -102,7 +109,14 @@ class PredictView(AsyncPipelineView):
         state.observe(observed, response.status_code)
         return response
 
-    async def predict(self, state, request, name: str, version: int | None, observed: Observed):
+    async def predict(
+        self,
+        state: GatewayState,
+        request: Request,
+        name: str,
+        version: int | None,
+        observed: Observed,
+    ) -> Response:
         try:
             identity, route = await pipeline.admit(
                 state,

@@ -59,7 +59,9 @@ def train_fraud_model(epochs: int = 8, n: int = 20_000, seed: int = 7) -> tuple[
         torch.onnx.export(
             model,
             (torch.zeros(1, N_FEATURES),),
-            buffer,
+            # The TorchScript exporter (dynamo=False) writes to a file object too; torch's
+            # annotation names only paths.
+            buffer,  # type: ignore[arg-type]
             input_names=["features"],
             output_names=["probabilities"],
             dynamic_axes={"features": {0: "batch"}, "probabilities": {0: "batch"}},

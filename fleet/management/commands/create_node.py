@@ -1,5 +1,8 @@
 """Create a serving node and print its token once."""
 
+from argparse import ArgumentParser
+from typing import Any
+
 from django.core.management.base import BaseCommand, CommandError
 
 from fleet.models import Node
@@ -10,12 +13,12 @@ from tenants.models import Tenant
 class Command(BaseCommand):
     help = "Create a node allowed to run a serving agent; prints its token (shown once)."
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("name")
         parser.add_argument("--tenant", help="serve only this tenant's models (slug)")
         parser.add_argument("--quiet", action="store_true", help="print only the token")
 
-    def handle(self, name, tenant, quiet, **options):
+    def handle(self, name: str, tenant: str | None, quiet: bool, **options: Any) -> None:
         if Node.objects.filter(name=name).exists():
             raise CommandError(f"node {name!r} already exists")
         owner = None

@@ -1,5 +1,7 @@
 """Stop the agent replicas the local backend started (``make up`` runs this on exit)."""
 
+from typing import Any
+
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
@@ -9,7 +11,7 @@ from fleet.cluster.local import LocalBackend
 class Command(BaseCommand):
     help = "Stop every local agent replica, keeping their specs: the autoscaler restarts them."
 
-    def handle(self, **options):
+    def handle(self, **options: Any) -> None:
         # No pool token is needed to stop processes; the path is never read here.
         backend = LocalBackend(
             settings.SWITCHYARD_LOCAL_AGENTS_DIR,

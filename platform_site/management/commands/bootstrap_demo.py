@@ -8,9 +8,11 @@ start script can print them and hand the node token to the local agent.
 import json
 import os
 import secrets
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
@@ -28,7 +30,7 @@ from ...demo.fraud import FEATURE_NAMES, train_fraud_model
 class Command(BaseCommand):
     help = "Create the demo tenant, key, node and fraud model (idempotent)."
 
-    def handle(self, **options):
+    def handle(self, **options: Any) -> None:
         path = settings.SWITCHYARD_VAR_DIR / "demo.json"
         saved = json.loads(path.read_text()) if path.exists() else {}
         with transaction.atomic():
@@ -37,7 +39,7 @@ class Command(BaseCommand):
         path.chmod(0o600)
         self.stdout.write(json.dumps(creds))
 
-    def _text_model(self, tenant: Tenant, admin) -> None:
+    def _text_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
         """The demo generative model: a byte-level transformer trained on Moby-Dick."""
         model, _ = Model.objects.get_or_create(
             tenant=tenant,
@@ -63,7 +65,7 @@ class Command(BaseCommand):
         )
         set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
 
-    def _autoscaled_model(self, tenant: Tenant, fraud: Model, admin) -> None:
+    def _autoscaled_model(self, tenant: Tenant, fraud: Model, admin: AbstractBaseUser) -> None:
         """The fraud model again as ``fraud-autoscaled``, deployed on the local pool: the
         control loop starts agent processes for it under load and stops them when idle."""
         model, _ = Model.objects.get_or_create(
@@ -73,6 +75,7 @@ class Command(BaseCommand):
         )
         if not model.versions.exists():
             source = fraud.versions.order_by("version").first()
+            assert source is not None  # _bootstrap gave the fraud model its first version
             with source.artifact.open("rb") as f:
                 data = f.read()
             version = create_version(
@@ -103,7 +106,7 @@ class Command(BaseCommand):
             },
         )
 
-    def _bootstrap(self, saved: dict) -> dict:
+    def _bootstrap(self, saved: dict[str, Any]) -> dict[str, Any]:
         User = get_user_model()
         password = saved.get("admin_password") or secrets.token_urlsafe(12)
         admin = User.objects.filter(username="admin").first()

@@ -1,6 +1,8 @@
 """Train the demo text generator (a byte-level GPT) and write it as a safetensors file."""
 
+from argparse import ArgumentParser
 from pathlib import Path
+from typing import Any
 
 from django.core.management.base import BaseCommand
 
@@ -15,12 +17,12 @@ class Command(BaseCommand):
         "time budget on the CPU and write it as a safetensors artifact (format 'textgen')."
     )
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("output", type=Path, help="where to write the .safetensors file")
         parser.add_argument("--seconds", type=float, default=90.0, help="training time budget")
         parser.add_argument("--seed", type=int, default=0)
 
-    def handle(self, output: Path, seconds: float, seed: int, **options):
+    def handle(self, output: Path, seconds: float, seed: int, **options: Any) -> None:
         from serving_agent.textgen import from_safetensors, generate
 
         data, details = train_text_model(seconds=seconds, seed=seed)
