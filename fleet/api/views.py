@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from platform_site.tokens import bearer
 from registry.models import ModelVersion
-from tenants.authentication import Caller, TenantRolePermission, actor_of
+from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from ..assignments import may_download
 from ..deployments import (
@@ -42,13 +42,6 @@ from .serializers import (
     PoolSerializer,
     deployment_data,
 )
-
-
-class CallerRequest(Request):
-    """For type checking only: a request that passed ``TenantRolePermission``, which sets
-    ``caller`` on it."""
-
-    caller: Caller
 
 
 class DeploymentListView(APIView):
