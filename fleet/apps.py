@@ -3,7 +3,7 @@ from django.apps import AppConfig
 
 class FleetConfig(AppConfig):
     name = "fleet"
-    verbose_name = "Fleet: nodes, agents, deployments and autoscaling"
+    verbose_name = "Fleet"
 
     def ready(self) -> None:
         from .changes import watch_changes

@@ -6,4 +6,4 @@ class GatewayConfig(AppConfig):
     which now belong to the monitoring and fleet apps."""
 
     name = "gateway"
-    verbose_name = "Gateway (the data path)"
+    verbose_name = "Gateway"

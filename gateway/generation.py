@@ -3,7 +3,7 @@ version's token limits, the rollout plan), hand it to an agent, and relay its fr
 
 Both front doors use this: the Channels websocket (``gateway/generate_ws.py``) and the
 OpenAI-compatible HTTP API (``gateway/openai_api.py``). The tenant's budgets are shared by all
-gateway processes through Redis (in process on the embedded default): ``stream_budget.py``.
+gateway processes through Redis (in process on the embedded default): ``tenants.stream_budget``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving_agent.protocol import GenerateDone, GenerateRequest, TokenChunk
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
+from tenants.stream_budget import RENEW_S, BudgetExceeded
 
 from . import metrics, tracing
 from .dispatch import DispatchError, SlowClient, StreamInbox
 from .pipeline import ApiError, Routed, resolve, route_request
 from .state import GatewayState, Progress
-from .stream_budget import RENEW_S, BudgetExceeded
 
 StopString = Annotated[str, Field(min_length=1, max_length=64)]
 

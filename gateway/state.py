@@ -27,12 +27,12 @@ from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
 from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
+from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
 from .dispatch import AgentPool, DispatchError
 from .metrics import Observed, RequestMetrics
 from .predlog import PredictionLogger
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
-from .stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
 log = logging.getLogger(__name__)
 

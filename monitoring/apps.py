@@ -3,4 +3,4 @@ from django.apps import AppConfig
 
 class MonitoringConfig(AppConfig):
     name = "monitoring"
-    verbose_name = "Monitoring: traffic, predictions, quality, drift, SLOs and alerts"
+    verbose_name = "Monitoring"

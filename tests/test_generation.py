@@ -480,7 +480,7 @@ def test_openai_errors_in_openais_shape(writer, state, key_name, body, status, e
 
 
 def budgets() -> list:
-    from gateway.stream_budget import LocalStreamBudget, RedisStreamBudget
+    from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget
 
     made = [LocalStreamBudget]
     if os.environ.get("REDIS_URL"):
@@ -491,8 +491,8 @@ def budgets() -> list:
 
 @pytest.mark.parametrize("make_budget", budgets(), ids=["local", "redis"][: len(budgets())])
 def test_stream_and_token_budgets(make_budget):
-    from gateway.stream_budget import BudgetExceeded
     from tenants.keys import KeyIdentity
+    from tenants.stream_budget import BudgetExceeded
 
     acme = KeyIdentity(1, 1, "acme", 100.0, 200, max_streams=2, tokens_per_minute=60)
 
@@ -515,8 +515,8 @@ def test_stream_and_token_budgets(make_budget):
 def test_a_dead_processs_stream_slot_frees_itself_in_redis():
     if not os.environ.get("REDIS_URL"):
         pytest.skip("needs REDIS_URL")
-    from gateway.stream_budget import BudgetExceeded, RedisStreamBudget
     from tenants.keys import KeyIdentity
+    from tenants.stream_budget import BudgetExceeded, RedisStreamBudget
 
     acme = KeyIdentity(1, 1, "acme", 100.0, 200, max_streams=1, tokens_per_minute=10_000)
     prefix = f"sy:test:{os.getpid()}:{time.monotonic_ns()}:"

@@ -1,8 +1,5 @@
-"""The DRF prediction API (plain JSON, named features) and artifact download for agents.
-
-The prediction view is a sync DRF view, measured faster than an async (adrf) one under both
-servers; it hands the work to the same async pipeline as OIP v2 on the server's event loop.
-"""
+"""The DRF prediction API: plain JSON with named features, through the same async pipeline as
+OIP v2, awaited on the server's event loop by an async DRF view (``AsyncPipelineView``)."""
 
 from __future__ import annotations
 

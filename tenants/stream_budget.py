@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from tenants.keys import KeyIdentity
+from .keys import KeyIdentity
 
 SLOT_TTL_S = 60  # a running stream renews its slot well before this (``RENEW_S``)
 RENEW_S = 20
