@@ -2,7 +2,7 @@
 and gets a snapshot at once and then every 2 s, so pages update without reloading.
 
 Client → server: ``{"subscribe": "dashboard"}`` or ``{"subscribe": "plan", "id": 7}``.
-Server → client: ``{"type": "dashboard", ...}`` or ``{"type": "plan", ...}`` (``web_data``).
+Server → client: ``{"type": "dashboard", ...}`` or ``{"type": "plan", ...}`` (``web.snapshots``).
 """
 
 from __future__ import annotations

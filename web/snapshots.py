@@ -67,7 +67,7 @@ def model_row(model: Model, plans: dict[tuple[int, str], RolloutPlan]) -> dict[s
 
 
 def agents_of(tenant_id: int) -> list[dict[str, Any]]:
-    """Live agents that serve this tenant (``rollouts.deployments.tenant_agents``: never another
+    """Live agents that serve this tenant (``fleet.deployments.tenant_agents``: never another
     tenant's replicas or versions), as the dashboard lists them."""
     now = timezone.now()
     return [

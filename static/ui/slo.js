@@ -3,7 +3,7 @@
 "use strict";
 
 const REFRESH_MS = 5000;
-// The multi-window rules (rollouts/slo.py ALERT_RULES): both windows past the rate.
+// The multi-window rules (monitoring/slo.py ALERT_RULES): both windows past the rate.
 const RULES = [
   { windows: ["1h", "5m"], rate: 14.4, name: "critical" },
   { windows: ["6h", "30m"], rate: 6, name: "warning" },
