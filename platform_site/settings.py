@@ -36,8 +36,11 @@ TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def env_bool(name: str, default: bool) -> bool:
-    """1/true/yes/on or 0/false/no/off (any case); anything else stops the start-up."""
-    value = env(name, "1" if default else "0").strip().lower()
+    """1/true/yes/on or 0/false/no/off (any case), the default when unset or empty; anything
+    else stops the start-up."""
+    value = env(name, "").strip().lower()
+    if value == "":
+        return default
     if value not in TRUE + FALSE:
         raise ImproperlyConfigured(f"{name}={value!r}: use one of {', '.join(TRUE + FALSE)}")
     return value in TRUE

@@ -18,7 +18,7 @@ def test_false_spellings_are_false(monkeypatch, value):
     assert env_bool("SWITCHYARD_FLAG", True) is False
 
 
-@pytest.mark.parametrize("value", ["2", "enabled", "tru", ""])
+@pytest.mark.parametrize("value", ["2", "enabled", "tru", "0n"])
 def test_an_unknown_boolean_stops_the_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("SWITCHYARD_FLAG", value)
     with pytest.raises(ImproperlyConfigured, match="SWITCHYARD_FLAG"):
@@ -28,6 +28,9 @@ def test_an_unknown_boolean_stops_the_start_naming_the_variable(monkeypatch, val
 def test_an_unset_variable_takes_its_default(monkeypatch):
     monkeypatch.delenv("SWITCHYARD_FLAG", raising=False)
     assert env_bool("SWITCHYARD_FLAG", True) is True
+    monkeypatch.setenv("SWITCHYARD_FLAG", "  ")  # set but empty, as `FLAG=` in a compose file
+    assert env_bool("SWITCHYARD_FLAG", True) is True and env_bool("SWITCHYARD_FLAG", False) is False
+    monkeypatch.delenv("SWITCHYARD_FLAG")
     assert env_int("SWITCHYARD_FLAG", 7) == 7
     assert env_float("SWITCHYARD_FLAG", 0.5) == 0.5
 
