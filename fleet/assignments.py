@@ -39,12 +39,16 @@ def deployed_version_ids() -> set[int]:
 
 
 def measured_needs() -> dict[int, int]:
-    """Each version's largest footprint any live agent measured while loading it."""
+    """Each version's largest footprint any live agent measured while loading it. Only figures
+    for versions the platform accepted a state of from that agent count (an agent's state of a
+    version it was never assigned is refused): an agent must not inflate another tenant's
+    version until placement finds no room for it."""
     needs: dict[int, int] = {}
-    for stats in live_sessions().values_list("stats", flat=True):
+    for stats, states in live_sessions().values_list("stats", "version_states"):
         for load in (stats or {}).get("versions", []):
             vid, size = load.get("version_id"), load.get("memory_bytes") or 0
-            if isinstance(vid, int) and size > needs.get(vid, 0):
+            known = isinstance(vid, int) and str(vid) in (states or {})
+            if known and isinstance(size, int) and size > needs.get(vid, 0):
                 needs[vid] = size
     return needs
 

@@ -63,12 +63,20 @@ def find_deployment(name: str) -> Deployment | None:
     return found if found is not None and found.cluster_name == name else None
 
 
+class ClaimRefused(Exception):
+    """An agent claimed what its node may not have: the connection is refused."""
+
+
 def open_session(node: Node, channel_name: str, hello: Hello) -> AgentSession:
+    """Record a connection's hello. A replica naming a deployment of a tenant outside its
+    node's scope is refused: it would count in that deployment's scaling signal."""
+    name = hello.deployment or ""
+    deployment = find_deployment(name) if name else None
+    if deployment is not None and node.tenant_id not in (None, deployment.tenant_id):
+        raise ClaimRefused(f"node {node} may not run deployment {name!r} of another tenant")
     node.facts = hello.model_dump(exclude={"type"})
     node.last_seen_at = timezone.now()
     node.save(update_fields=["facts", "last_seen_at"])  # bumps the generation: placement reruns
-    name = hello.deployment or ""
-    deployment = find_deployment(name) if name else None
     if name and deployment is None:
         log.warning("agent on node %s names an unknown deployment %r", node, name)
     session, _ = AgentSession.objects.update_or_create(
@@ -107,6 +115,12 @@ def record_version_state(session_id: int, status: VersionStatus, ready: list[int
     )
     if status.state == "evicted" and not session.deployment_name:
         bump_generation()
+
+
+def record_ready(session_id: int, ready: list[int]) -> None:
+    """The versions this connection may be sent requests for now (after its assignment
+    changed); other gateway processes route by this row."""
+    AgentSession.objects.filter(pk=session_id).update(ready_versions=sorted(ready))
 
 
 def close_session(session_id: int) -> None:

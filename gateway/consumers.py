@@ -4,6 +4,9 @@ It authenticates the node, records its session, sends it the versions it must se
 which are ready, and hands reply frames to the process's ``AgentPool``. Requests from other
 gateway processes arrive through the channel layer (``agent.forward``) and their replies go
 back the same way.
+
+An agent is not trusted: it is routed only the versions this connection is assigned now, and
+a state of a version it was never assigned (another tenant's, or a forgery) closes the socket.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from fleet import assignments, nodes
 from platform_site.tokens import bearer
 from serving_agent.protocol import (
     CLOSE_BAD_MESSAGE,
+    CLOSE_CLAIM_REFUSED,
     CLOSE_UNAUTHORIZED,
     Assign,
     FrameError,
@@ -50,6 +54,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.link: AgentLink | None = None
         self.session_id: int | None = None
         self.sent_assignment: list[VersionSpec] | None = None
+        self.assigned: set[int] = set()  # the versions of the latest assignment sent
+        self.ever_assigned: set[int] = set()  # every version assigned on this connection
+        self.refused = False
         self.remote_replies: dict[int, str] = {}  # request id -> reply channel
         if self.node is None:
             log.warning("agent connection refused: unknown or disabled node token")
@@ -68,7 +75,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await handler(message)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        if self.node is None:
+        if self.node is None or self.refused:
             return
         if bytes_data is not None:
             await self._reply_message(bytes_data)
@@ -91,9 +98,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
 
     async def _hello(self, hello: Hello) -> None:
-        session = await database_sync_to_async(nodes.open_session)(
-            self.node, self.channel_name, hello
-        )
+        try:
+            session = await database_sync_to_async(nodes.open_session)(
+                self.node, self.channel_name, hello
+            )
+        except nodes.ClaimRefused as exc:
+            await self._refuse(str(exc))
+            return
         self.session_id = session.pk
         if self.link is None:
             self.link = AgentLink(self.channel_name, self._send_message)
@@ -106,7 +117,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def _status(self, status: VersionStatus) -> None:
         assert self.link is not None
-        self.state.pool.set_ready(self.link, status.version_id, status.state == "ready")
+        version_id = status.version_id
+        if version_id not in self.ever_assigned:
+            await self._refuse(f"a state of version {version_id}, never assigned to it")
+            return
+        # A version assigned earlier but not now (the assignment changed while it loaded) is
+        # recorded, but never routed.
+        ready = status.state == "ready" and version_id in self.assigned
+        self.state.pool.set_ready(self.link, version_id, ready)
         log.info(
             "node %s: version %s %s %s",
             self.node,
@@ -131,10 +149,28 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.send(
                 text_data=Assign(versions=specs, heartbeat_s=heartbeat).model_dump_json()
             )
-            assigned = {s.version_id for s in specs}
-            if self.link is not None:
-                for vid in self.link.ready - assigned:  # a new set: set_ready changes ready
+            self.assigned = {s.version_id for s in specs}
+            self.ever_assigned |= self.assigned
+            revoked = self.link.ready - self.assigned if self.link is not None else set()
+            if self.link is not None and revoked:
+                for vid in revoked:
                     self.state.pool.set_ready(self.link, vid, False)
+                # Other gateway processes route by the session row: take them off it too.
+                await database_sync_to_async(nodes.record_ready)(
+                    self.session_id, sorted(self.link.ready)
+                )
+
+    async def _refuse(self, claim: str) -> None:
+        """The agent claimed what was not assigned to it: it gets no more requests, and the
+        socket is closed with CLOSE_CLAIM_REFUSED."""
+        log.warning("agent of node %s refused: it claimed %s", self.node, claim)
+        self.refused = True
+        if self.link is not None:
+            self.state.pool.remove(self.link, "the serving agent's connection was refused")
+        if self.session_id is not None:
+            # At once, not when the socket's disconnect arrives: other processes route by it.
+            await database_sync_to_async(nodes.close_session)(self.session_id)
+        await self.close(code=CLOSE_CLAIM_REFUSED)
 
     async def _send_message(self, message: bytes) -> None:
         await self.base_send({"type": "websocket.send", "bytes": message})

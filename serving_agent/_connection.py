@@ -15,6 +15,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from .protocol import (
     AGENT_WS_PATH,
+    CLOSE_CLAIM_REFUSED,
     CLOSE_UNAUTHORIZED,
     Heartbeat,
     Hello,
@@ -45,7 +46,16 @@ def backoff_delay(attempt: int, base: float = 0.5, cap: float = 10.0) -> float:
 
 
 class AuthRejected(Exception):
-    """The platform refused the node token (HTTP 401/403 or close code 4401)."""
+    """The platform refused this agent: its node token (HTTP 401/403, close code 4401), or a
+    claim beyond what its node may serve (close code 4403). Retried only slowly."""
+
+
+# Why the platform closed the socket, for the codes that mean "do not simply reconnect".
+REFUSALS = {
+    CLOSE_UNAUTHORIZED: "the node token is unknown or disabled; check --token",
+    CLOSE_CLAIM_REFUSED: "it claimed a deployment or version its node may not serve; check "
+    "--deployment and the node's tenant",
+}
 
 
 class Socket(Protocol):
@@ -113,7 +123,7 @@ class Connection:
             try:
                 await self.connect_and_serve(stop)
             except AuthRejected as exc:
-                logger.error("platform rejected the node token (%s); check --token", exc)
+                logger.error("the platform refused this agent: %s", exc)
                 delay = random.uniform(self.auth_retry_s / 2, self.auth_retry_s)
             except ConnectionClosed as exc:
                 logger.warning("connection lost: %s", exc)
@@ -146,11 +156,14 @@ class Connection:
                 await self.serve(ws, stop)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
-                raise AuthRejected(f"HTTP {exc.response.status_code}") from exc
+                raise AuthRejected(
+                    f"HTTP {exc.response.status_code}: {REFUSALS[CLOSE_UNAUTHORIZED]}"
+                ) from exc
             raise
         except ConnectionClosed as exc:
-            if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHORIZED:
-                raise AuthRejected(f"close code {CLOSE_UNAUTHORIZED}") from exc
+            if exc.rcvd is not None and exc.rcvd.code in REFUSALS:
+                code = exc.rcvd.code
+                raise AuthRejected(f"close code {code}: {REFUSALS[code]}") from exc
             raise
 
     async def open(self, stop: asyncio.Event) -> ClientConnection | None:

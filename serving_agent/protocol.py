@@ -25,6 +25,9 @@ from pydantic import BaseModel, Field, TypeAdapter
 AGENT_WS_PATH = "/ws/agent/"
 CLOSE_UNAUTHORIZED = 4401  # websocket close code: unknown or disabled node token
 CLOSE_BAD_MESSAGE = 4400  # websocket close code: a message that breaks the protocol
+# websocket close code: the agent claimed what was not assigned to it (a version, or a
+# deployment outside its node's tenant scope); the platform trusts nothing more on that socket
+CLOSE_CLAIM_REFUSED = 4403
 ARTIFACT_PATH = "/api/v1/agent/artifacts/{version_id}"
 
 # Open Inference Protocol v2 datatypes and their numpy equivalents (BYTES is not a tensor here).

@@ -16,7 +16,7 @@ from fleet.assignments import assignment_for, scope_versions
 from fleet.cluster import ClusterError
 from fleet.cluster.kubernetes import KubernetesBackend
 from fleet.models import AgentSession, Deployment, Isolation, Pool, ScalingDecision
-from fleet.nodes import create_node, record_heartbeat
+from fleet.nodes import ClaimRefused, create_node, record_heartbeat
 from fleet.placement import Candidate, Item, place
 from tenants.models import Quota
 from tests.factories import make_model, make_session, make_version
@@ -115,14 +115,16 @@ def test_a_replica_serves_its_deployment_and_a_hand_run_node_the_rest(deployed):
     assert set(scope_versions(by_hand).values_list("pk", flat=True)) == {served.pk, scaled.pk}
 
 
-def test_a_replica_naming_an_unknown_deployment_or_another_tenants_serves_nothing(deployed, world):
+def test_a_replica_naming_an_unknown_deployment_serves_nothing_and_another_tenants_is_refused(
+    deployed, world
+):
     _, _, deployment = deployed
     node, _ = create_node("pool-x")
     assert assignment_for(node, make_session(node, "sy-agent-999-v1").pk) == []
     assert assignment_for(node, make_session(node, "not-ours").pk) == []
     beta_node, _ = create_node("beta-box", tenant=world.b)
-    session = make_session(beta_node, deployment.cluster_name)
-    assert assignment_for(beta_node, session.pk) == []
+    with pytest.raises(ClaimRefused, match="of another tenant"):
+        make_session(beta_node, deployment.cluster_name)
 
 
 def test_hand_run_nodes_with_small_budgets_split_the_versions_by_memory(world, onnx_bytes):

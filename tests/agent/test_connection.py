@@ -144,7 +144,7 @@ async def test_close_code_4401_is_retried_like_a_rejected_token(
     async with until_stopped(make_connection(platform.url).run):
         await platform.next_connection()
         await platform.next_connection()
-    assert "rejected the node token" in caplog.text
+    assert "the node token is unknown or disabled" in caplog.text
 
 
 async def test_stop_while_connecting_to_a_silent_host_returns_at_once() -> None:

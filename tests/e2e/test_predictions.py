@@ -6,6 +6,17 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from registry.models import Model, ModelVersion
+from serving_agent.protocol import (
+    AGENT_WS_PATH,
+    CLOSE_CLAIM_REFUSED,
+    Assign,
+    Hello,
+    VersionStatus,
+)
 
 from .harness import wait_until
 
@@ -150,6 +161,33 @@ def test_other_tenant_gets_404_on_every_data_path_endpoint(stack, rng):
             assert "not found" in response.json()["error"]
         predict = client.post("/api/v1/models/clf/predict", json={"instances": x.tolist()})
         assert predict.status_code == 404
+
+
+def test_a_rogue_agent_with_another_tenants_node_token_gets_no_request(stack, rng):
+    """An agent of tenant beta's node claims tenant alpha's version as ready: it is closed
+    with CLOSE_CLAIM_REFUSED, and every request is answered by the real agent."""
+    token = stack.backend.manage("create_node", f"rogue-{rng.integers(1 << 30)}", "--tenant",
+                                 "beta", "--quiet").strip()  # fmt: skip
+    (version_id,) = stack.backend.query(
+        f"SELECT v.id FROM {ModelVersion._meta.db_table} v JOIN {Model._meta.db_table} m "
+        "ON v.model_id = m.id WHERE m.name = 'clf' AND v.version = 1"
+    )[0]
+    ws_url = stack.url.replace("http://", "ws://") + AGENT_WS_PATH
+    hello = Hello(agent_version="rogue", host="rogue", cpu_count=1, memory_bytes=1 << 30)
+    with connect(ws_url, additional_headers={"Authorization": f"Bearer {token}"}) as rogue:
+        rogue.send(hello.model_dump_json())
+        assert Assign.model_validate_json(rogue.recv(timeout=10)).versions == []
+        rogue.send(VersionStatus(version_id=version_id, state="ready").model_dump_json())
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                frame = rogue.recv(timeout=10)
+                assert not isinstance(frame, bytes), "the rogue agent was sent a request"
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CLOSE_CLAIM_REFUSED
+        x = rng.normal(size=(1, 4)).astype(np.float32)
+        with stack.client() as client:
+            for _ in range(20):
+                response = client.post("/v2/models/clf/infer", json=oip_body(x))
+                assert response.status_code == 200, response.text
 
 
 def test_unknown_routes_and_methods_are_clear(stack):
