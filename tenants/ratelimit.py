@@ -6,16 +6,67 @@ so several gateway processes share one budget. To keep Redis off the warm path, 
 tokens in bulk (a lease of a share of the burst) and spends them locally: one round trip per
 lease instead of one per request. Leased tokens not spent within ``LEASE_TTL_S`` are dropped,
 so an idle process cannot hoard budget for long.
+
+Redis failing must not fail requests: ``RedisCircuit`` sends a process to its own in-process
+buckets while Redis is unreachable and tries Redis again a second later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 
+from redis import asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+
 LEASE_TTL_S = 1.0
+# A Redis that does not answer within this long counts as down (the call is on a request path).
+REDIS_TIMEOUT_S = 0.5
+# After a failure, Redis is tried again this long later; meanwhile the process uses its own.
+REDIS_RETRY_S = 1.0
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class RedisCircuit:
+    """Whether to call Redis now. After a failed call the process uses its in-process fallback
+    for ``REDIS_RETRY_S`` before trying Redis again: during an outage a request costs neither
+    an error nor a connect timeout, and each process spends one failed call a second."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._retry_at = 0.0
+        self._down = False
+
+    @property
+    def closed(self) -> bool:
+        """Redis may be called (no failure in the last ``REDIS_RETRY_S``)."""
+        return time.monotonic() >= self._retry_at
+
+    def failed(self, exc: BaseException) -> None:
+        if not self._down:
+            log.warning(
+                "%s: Redis is unreachable (%r); this process's own budget serves", self.what, exc
+            )
+        self._down = True
+        self._retry_at = time.monotonic() + REDIS_RETRY_S
+
+    def succeeded(self) -> None:
+        if self._down:
+            log.info("%s: Redis answers again; the shared budget serves", self.what)
+        self._down = False
+
+
+def redis_client(redis_url: str) -> aioredis.Redis:
+    """A client whose calls fail within ``REDIS_TIMEOUT_S`` when Redis is down or stalled."""
+    return aioredis.Redis.from_url(
+        redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+    )
 
 
 @dataclass
@@ -87,12 +138,14 @@ class _Lease:
 
 
 class RedisLeaseLimiter:
-    """Buckets in Redis shared by every gateway process, spent locally in leases."""
+    """Buckets in Redis shared by every gateway process, spent locally in leases; this
+    process's own buckets while Redis is unreachable (each process then grants a tenant its
+    whole quota: a looser limit for a few seconds beats refusing every request)."""
 
     def __init__(self, redis_url: str, lease_fraction: float = 0.1, prefix: str = "sy:rl:"):
-        from redis import asyncio as aioredis
-
-        self._redis = aioredis.Redis.from_url(redis_url)
+        self._redis = redis_client(redis_url)
+        self._circuit = RedisCircuit("rate limiter")
+        self._local = LocalLimiter()
         self._script = self._redis.register_script(_TAKE_SCRIPT)
         self._fraction = lease_fraction
         self._prefix = prefix
@@ -107,13 +160,20 @@ class RedisLeaseLimiter:
             lease = self._leases[tenant_id] = _Lease()
         if self._spend(lease):
             return None
+        if not self._circuit.closed:
+            return await self._local.acquire(tenant_id, rate, burst)
         # One coroutine refills; others waiting on the lock then spend from the new lease.
         async with lease.lock:
             if self._spend(lease):
                 return None
-            granted, wait_ms = await self._script(
-                keys=[f"{self._prefix}{tenant_id}"], args=[rate, burst, self.lease_size(burst)]
-            )
+            try:
+                granted, wait_ms = await self._script(
+                    keys=[f"{self._prefix}{tenant_id}"], args=[rate, burst, self.lease_size(burst)]
+                )
+            except REDIS_ERRORS as exc:
+                self._circuit.failed(exc)
+                return await self._local.acquire(tenant_id, rate, burst)
+            self._circuit.succeeded()
             if not granted:
                 return max(wait_ms / 1000.0, 0.001)
             lease.tokens = int(granted) - 1

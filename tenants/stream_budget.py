@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .keys import KeyIdentity
+from .ratelimit import REDIS_ERRORS, RedisCircuit, redis_client
 
 SLOT_TTL_S = 60  # a running stream renews its slot well before this (``RENEW_S``)
 RENEW_S = 20
@@ -145,12 +146,17 @@ return 0
 
 class RedisStreamBudget:
     """Budgets in Redis, shared by every gateway process: one round trip per stream start,
-    one per end, one per ``RENEW_S`` of a long stream; none per token."""
+    one per end, one per ``RENEW_S`` of a long stream; none per token.
+
+    While Redis is unreachable, streams are admitted against this process's own budget
+    (``LocalStreamBudget``) and end there; a stream admitted in Redis whose renewal or end
+    cannot reach it frees its slot by the slot's lease expiry."""
 
     def __init__(self, redis_url: str, prefix: str = "sy:gen:", ttl_s: int = SLOT_TTL_S):
-        from redis import asyncio as aioredis
-
-        self._redis = aioredis.Redis.from_url(redis_url)
+        self._redis = redis_client(redis_url)
+        self._circuit = RedisCircuit("stream budget")
+        self._local = LocalStreamBudget()
+        self._local_slots: set[str] = set()
         self._admit = self._redis.register_script(_ADMIT)
         self._finish = self._redis.register_script(_FINISH)
         self._renew = self._redis.register_script(_RENEW)
@@ -164,6 +170,8 @@ class RedisStreamBudget:
         return [f"{self._prefix}{tenant}:streams", f"{self._prefix}{tenant}:tokens"]
 
     async def admit(self, identity: KeyIdentity, prompt_tokens: int) -> str:
+        if not self._circuit.closed:
+            return await self._admit_locally(identity, prompt_tokens)
         slot = f"{self._process}:{next(self._slots)}"
         args: list[int | str] = [
             identity.tokens_per_minute,
@@ -172,19 +180,43 @@ class RedisStreamBudget:
             slot,
             self._ttl,
         ]
-        code, wait_ms = await self._admit(keys=self._keys(identity), args=args)
+        try:
+            code, wait_ms = await self._admit(keys=self._keys(identity), args=args)
+        except REDIS_ERRORS as exc:
+            self._circuit.failed(exc)
+            return await self._admit_locally(identity, prompt_tokens)
+        self._circuit.succeeded()
         if code == 1:
             raise too_many_streams(identity)
         if code == 2:
             raise out_of_tokens(identity, int(wait_ms) / 1000)
         return slot
 
+    async def _admit_locally(self, identity: KeyIdentity, prompt_tokens: int) -> str:
+        slot = f"local:{await self._local.admit(identity, prompt_tokens)}"
+        self._local_slots.add(slot)
+        return slot
+
     async def renew(self, identity: KeyIdentity, slot: str) -> None:
-        await self._renew(keys=self._keys(identity)[:1], args=[slot, self._ttl])
+        if slot in self._local_slots or not self._circuit.closed:
+            return  # a local slot needs no renewal; a Redis one lives on its lease meanwhile
+        try:
+            await self._renew(keys=self._keys(identity)[:1], args=[slot, self._ttl])
+        except REDIS_ERRORS as exc:
+            self._circuit.failed(exc)
 
     async def finish(self, identity: KeyIdentity, slot: str, output_tokens: int) -> None:
+        if slot in self._local_slots:
+            self._local_slots.discard(slot)
+            await self._local.finish(identity, slot, output_tokens)
+            return
+        if not self._circuit.closed:
+            return  # its slot frees itself when its lease runs out
         args: list[int | str] = [identity.tokens_per_minute, output_tokens, slot]
-        await self._finish(keys=self._keys(identity), args=args)
+        try:
+            await self._finish(keys=self._keys(identity), args=args)
+        except REDIS_ERRORS as exc:
+            self._circuit.failed(exc)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,3 +55,42 @@ def redis_url() -> str | None:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1)
+
+
+class OwnRedis:
+    """A redis-server of the test's own on a free port, which the test may stop and restart
+    (the shared one on 6379 is never broken)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        self.process = subprocess.Popen([*args, "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@pytest.fixture
+def own_redis():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = OwnRedis()
+    server.start()
+    yield server
+    server.stop()

@@ -1,9 +1,20 @@
 import asyncio
+import time
 import uuid
 
 import pytest
 
-from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter, TokenBucket, retry_after_header
+from tenants.keys import KeyIdentity
+from tenants.ratelimit import (
+    REDIS_RETRY_S,
+    REDIS_TIMEOUT_S,
+    LocalLimiter,
+    RedisLeaseLimiter,
+    TokenBucket,
+    redis_client,
+    retry_after_header,
+)
+from tenants.stream_budget import BudgetExceeded, RedisStreamBudget
 from tests.conftest import redis_url
 
 
@@ -89,3 +100,61 @@ def test_concurrent_requests_in_one_process_refill_the_lease_once():
         return results
 
     assert sum(r is None for r in asyncio.run(run())) == 10
+
+
+# Redis failing: a process falls back to its own buckets, never an error ----------------------
+
+
+def test_with_redis_down_the_limiter_keeps_admitting_from_its_own_buckets(own_redis):
+    async def run():
+        limiter = RedisLeaseLimiter(own_redis.url, lease_fraction=0.5, prefix="t:")
+        shared = await limiter.acquire(1, 1.0, 4)
+        own_redis.stop()
+        started = time.monotonic()
+        down = [await limiter.acquire(2, 1.0, 2) for _ in range(3)]
+        elapsed = time.monotonic() - started
+        await limiter.close()
+        return shared, down, elapsed
+
+    shared, down, elapsed = asyncio.run(run())
+    assert shared is None
+    # Tenant 2's own quota in process: its burst of 2, then a wait; no error, no hang.
+    assert down[:2] == [None, None] and down[2] is not None
+    assert elapsed < 2 * REDIS_TIMEOUT_S + 1
+
+
+def test_the_shared_budget_is_used_again_once_redis_is_back(own_redis):
+    async def run():
+        limiter = RedisLeaseLimiter(own_redis.url, lease_fraction=0.5, prefix="t:")
+        own_redis.stop()
+        await limiter.acquire(3, 100.0, 10)  # fails over to the local bucket
+        own_redis.start()
+        await asyncio.sleep(REDIS_RETRY_S + 0.1)
+        await limiter.acquire(3, 100.0, 10)
+        keys = await redis_client(own_redis.url).keys("t:*")
+        await limiter.close()
+        return keys
+
+    assert asyncio.run(run()) == [b"t:3"]
+
+
+def test_with_redis_down_streams_are_admitted_and_ended_in_process(own_redis):
+    identity = KeyIdentity(1, 1, "alpha", 10.0, 20, max_streams=1, tokens_per_minute=1000)
+
+    async def run():
+        budget = RedisStreamBudget(own_redis.url, prefix=f"t:{uuid.uuid4().hex}:", ttl_s=60)
+        in_redis = await budget.admit(identity, 5)
+        own_redis.stop()
+        await budget.renew(identity, in_redis)  # cannot reach Redis: no error
+        await budget.finish(identity, in_redis, 10)
+        local = await budget.admit(identity, 5)
+        with pytest.raises(BudgetExceeded):  # the process's own limit of one stream
+            await budget.admit(identity, 5)
+        await budget.finish(identity, local, 10)
+        again = await budget.admit(identity, 5)
+        await budget.close()
+        return in_redis, local, again
+
+    in_redis, local, again = asyncio.run(run())
+    assert not in_redis.startswith("local:") and local.startswith("local:")
+    assert again.startswith("local:")
