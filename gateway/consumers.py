@@ -39,6 +39,7 @@ from serving_agent.protocol import (
     pack_frames,
     unpack_frames,
 )
+from tenants.ratelimit import REDIS_ERRORS
 
 from .dispatch import AgentLink
 from .state import get_state
@@ -197,7 +198,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
         else:
             reply_channel = self.remote_replies.pop(unmatched.id, None)
         if reply_channel is not None:
-            await self.channel_layer.send(reply_channel, {"type": "infer.reply", "frame": data})
+            await self._send_remote(reply_channel, data)
+
+    async def _send_remote(self, channel: str, frame: bytes) -> None:
+        """A reply to another gateway process. With Redis down it cannot get there: that
+        process's request times out, and this socket (which other requests need) stays up."""
+        try:
+            await self.channel_layer.send(channel, {"type": "infer.reply", "frame": frame})
+        except REDIS_ERRORS as exc:
+            log.warning("could not pass a reply to another gateway process: %r", exc)
 
     async def agent_forward(self, event: dict[str, Any]) -> None:
         """A request from another gateway process for the agent on this socket."""
@@ -214,7 +223,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.state.agent_consumers.discard(self)
             for request_id, channel in self.remote_replies.items():
                 frame = error_frame(request_id, "internal", "the serving agent disconnected")
-                await self.channel_layer.send(channel, {"type": "infer.reply", "frame": frame})
+                await self._send_remote(channel, frame)
             self.remote_replies.clear()
         if self.session_id is not None:
             await database_sync_to_async(nodes.close_session)(self.session_id)

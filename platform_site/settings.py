@@ -160,7 +160,8 @@ REDIS_URL = env("REDIS_URL", "")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            # channels_redis's layer, except that a receive waits out a Redis outage.
+            "BACKEND": "gateway.channel_layer.FailSoftRedisChannelLayer",
             # socket_timeout None: redis-py's 5 s read timeout would otherwise kill an idle
             # consumer blocked in BZPOPMIN (channels-redis 4.3 + redis-py 8).
             "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}]},
