@@ -21,7 +21,8 @@ from .deployments import (
     heartbeat_health,
     update_deployment,
 )
-from .models import AgentSession, Deployment, Node, Pool, ScalingDecision
+from .gateways import LIVE_S
+from .models import AgentSession, Deployment, GatewayProcess, Node, Pool, ScalingDecision
 from .nodes import create_node, rotate_node_token
 
 if TYPE_CHECKING:
@@ -131,6 +132,27 @@ class AgentSessionAdmin(admin.ModelAdmin):
             f"{_mib(g.get('memory_used_bytes'))}/{_mib(g.get('memory_total_bytes'))} MiB"
             for g in gpus
         )
+
+
+@admin.register(GatewayProcess)
+class GatewayProcessAdmin(admin.ModelAdmin):
+    """Read-only: each gateway process registers itself and the address agents' data links
+    use; a row unseen for ``LIVE_S`` is a process that died without removing itself."""
+
+    list_display = ["host", "link_url", "live", "started_at", "seen_at"]
+    search_fields = ["host", "link_url"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: GatewayProcess | None = None
+    ) -> bool:
+        return False
+
+    @admin.display(boolean=True, description="live")
+    def live(self, process: GatewayProcess) -> bool:
+        return timezone.now() - process.seen_at <= timedelta(seconds=LIVE_S)
 
 
 def _mib(size: int | None) -> str:

@@ -74,6 +74,28 @@ class AgentSession(models.Model):
         return f"{self.node} via {self.channel_name} ({state})"
 
 
+class GatewayProcess(models.Model):
+    """A live gateway process and the address where agents open a data link to it.
+
+    Every gateway process registers itself when it starts, marks itself seen from its refresh
+    loop and removes itself when it stops; agents keep a link to each live one, so a request
+    reaches an agent in the process that received it.
+    """
+
+    key = models.CharField(max_length=32, unique=True)  # random per process start
+    link_url = models.CharField(max_length=300)
+    host = models.CharField(max_length=200, blank=True)  # hostname and pid, for operators
+    started_at = models.DateTimeField(auto_now_add=True)
+    seen_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["started_at"]
+        verbose_name_plural = "gateway processes"
+
+    def __str__(self) -> str:
+        return f"{self.host or self.key} at {self.link_url}"
+
+
 class ConfigGeneration(models.Model):
     """A single counter bumped whenever keys, quotas, models, versions, aliases or nodes change.
 
