@@ -4,7 +4,9 @@ date (hello, heartbeats, version states), and which sessions are alive."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db.models import QuerySet
@@ -141,6 +143,38 @@ def reload_node(node_id: int) -> Node | None:
     return Node.objects.filter(pk=node_id).first()
 
 
-def agent_channels() -> list[tuple[str, list[int]]]:
-    """(channel name, ready version ids) of the agent connections alive in any gateway process."""
-    return list(live_sessions().values_list("channel_name", "ready_versions"))
+class LiveAgent(NamedTuple):
+    """An agent connection alive in some gateway process, and what it may be sent."""
+
+    session_id: int
+    node_id: int
+    channel_name: str
+    ready: list[int]
+
+
+def live_agents() -> list[LiveAgent]:
+    """The agent connections alive in any gateway process (their main connections)."""
+    rows = live_sessions().filter(node__enabled=True)
+    return [
+        LiveAgent(*row)
+        for row in rows.values_list("pk", "node_id", "channel_name", "ready_versions")
+    ]
+
+
+def attached_ready(node: Node, session_id: int) -> list[int] | None:
+    """What a data link of ``node`` attached to session ``session_id`` may serve: that
+    session's ready versions, if it is a live session of the same node (a node token never
+    reaches another node's versions); else None."""
+    return (
+        live_sessions()
+        .filter(pk=session_id, node=node, node__enabled=True)
+        .values_list("ready_versions", flat=True)
+        .first()
+    )
+
+
+def enabled_nodes(node_ids: Iterable[int]) -> set[int]:
+    """Those of ``node_ids`` that exist and are enabled."""
+    return set(
+        Node.objects.filter(pk__in=list(node_ids), enabled=True).values_list("pk", flat=True)
+    )

@@ -12,6 +12,7 @@ a state of a version it was never assigned (another tenant's, or a forgery) clos
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from channels.consumer import get_handler_name
@@ -27,9 +28,11 @@ from serving_agent.protocol import (
     CLOSE_CLAIM_REFUSED,
     CLOSE_UNAUTHORIZED,
     Assign,
+    Attach,
     FrameError,
     Heartbeat,
     Hello,
+    Links,
     TokenChunk,
     VersionSpec,
     VersionStatus,
@@ -42,7 +45,7 @@ from serving_agent.protocol import (
 from tenants.ratelimit import REDIS_ERRORS
 
 from .dispatch import AgentLink
-from .state import get_state
+from .state import carry, get_state
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.ever_assigned: set[int] = set()  # every version assigned on this connection
         self.refused = False
         self.remote_replies: dict[int, str] = {}  # request id -> reply channel
+        self.attached: int | None = None  # a data link: the session whose versions it serves
+        self.sent_links: Links | None = None
         if self.node is None:
             log.warning("agent connection refused: unknown or disabled node token")
             await self.close(code=CLOSE_UNAUTHORIZED)
@@ -87,16 +92,22 @@ class AgentConsumer(AsyncWebsocketConsumer):
             log.warning("node %s sent an invalid message: %s", self.node, exc)
             await self.close(code=CLOSE_BAD_MESSAGE)
             return
-        if isinstance(message, Hello):
+        if isinstance(message, Hello) and self.attached is None:
             await self._hello(message)
-        elif self.link is None:
-            await self.close(code=CLOSE_BAD_MESSAGE)  # anything before hello is a protocol error
+        elif isinstance(message, Attach) and self.session_id is None:
+            await self._attach(message)
+        elif self.link is None or self.session_id is None:
+            # Anything before hello, and anything but replies and attach on a data link (which
+            # claims nothing of its own), is a protocol error.
+            await self.close(code=CLOSE_BAD_MESSAGE)
         elif isinstance(message, VersionStatus):
             await self._status(message)
         elif isinstance(message, Heartbeat):
             await database_sync_to_async(nodes.record_heartbeat)(
                 self.session_id, self.node.pk, message.model_dump(exclude={"type"})
             )
+        else:  # an attach on a main connection
+            await self.close(code=CLOSE_BAD_MESSAGE)
 
     async def _hello(self, hello: Hello) -> None:
         try:
@@ -115,6 +126,39 @@ class AgentConsumer(AsyncWebsocketConsumer):
             "agent %s connected from %s (%s)", self.node, hello.host, ", ".join(hello.providers)
         )
         await self.push_assignment(force=True)
+        await self.push_links()
+
+    async def _attach(self, attach: Attach) -> None:
+        """A data link: this agent's main connection is held by another gateway process (or
+        its session was just reopened there). It serves what that session has ready."""
+        assert self.node is not None
+        ready = await database_sync_to_async(nodes.attached_ready)(self.node, attach.session)
+        if ready is None:
+            await self._refuse(f"session {attach.session}, not a live session of its node")
+            return
+        self.attached = attach.session
+        if self.link is None:
+            self.link = AgentLink(self.channel_name, self._send_message, node_id=self.node.pk)
+            self.state.pool.add(self.link)
+        elif not ready and self.link.session != attach.session:
+            # A new session of the same agent, nothing reported ready yet: keep serving.
+            carry(self.link, time.monotonic())
+        self.link.session = attach.session
+        if ready or not self.link.carried:
+            self.link.carried, self.link.carried_until = set(), 0.0
+            self.state.pool.set_ready_versions(self.link, set(ready))
+        log.info("agent %s: data link for session %s", self.node, attach.session)
+
+    async def push_links(self) -> None:
+        """Tell the agent the other gateway processes' link addresses and its session, when
+        they changed (main connections only; one gateway process sends none)."""
+        if self.session_id is None or self.refused:
+            return
+        links = Links(session=self.session_id, urls=self.state.other_gateways)
+        if links == self.sent_links or (self.sent_links is None and not links.urls):
+            return
+        self.sent_links = links
+        await self.send(text_data=links.model_dump_json())
 
     async def _status(self, status: VersionStatus) -> None:
         assert self.link is not None
@@ -218,13 +262,31 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self._send_message(pack_frames([event["frame"]]))
 
     async def disconnect(self, code: int) -> None:
-        if self.link is not None:
-            self.state.pool.remove(self.link, "the serving agent disconnected during the request")
+        await self._forget()
+        log.info("agent %s disconnected (code %s)", self.node, code)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # An error that ends the consumer skips ``disconnect``: the link must still leave
+            # the pool at once, or requests keep being sent to a socket nobody reads.
+            link = getattr(self, "link", None)
+            if link is not None:
+                self.state.pool.remove(link, "the serving agent's connection failed")
+                self.state.agent_consumers.discard(self)
+
+    async def _forget(self) -> None:
+        """This connection is gone: out of the pool, its forwarded requests failed, its
+        session closed (once, however often it is called)."""
+        link, self.link = self.link, None
+        if link is not None:
+            self.state.pool.remove(link, "the serving agent disconnected during the request")
             self.state.agent_consumers.discard(self)
             for request_id, channel in self.remote_replies.items():
                 frame = error_frame(request_id, "internal", "the serving agent disconnected")
                 await self._send_remote(channel, frame)
             self.remote_replies.clear()
-        if self.session_id is not None:
-            await database_sync_to_async(nodes.close_session)(self.session_id)
-            log.info("agent %s disconnected (code %s)", self.node, code)
+        session_id, self.session_id = self.session_id, None
+        if session_id is not None:
+            await database_sync_to_async(nodes.close_session)(session_id)

@@ -1,10 +1,11 @@
 """Handing inference requests to serving agents and matching their replies.
 
 An ``AgentPool`` lives in each gateway process (one per event loop). It knows the agent
-connections this process holds (``AgentLink``) and which versions each has ready, and picks
-the one with the fewest outstanding requests. A request goes straight to that socket, in
-process; only when no agent here serves the version does it travel through the channel layer
-(Redis) to the process that holds one.
+connections this process holds (``AgentLink``: an agent's main connection, or a data link the
+agent opened to this process) and which versions each has ready, and picks the one with the
+fewest outstanding requests. A request goes straight to that socket, in process; only when no
+agent link here serves the version (a process that just started, before the agents' data links
+reach it) does it travel through the channel layer (Redis) to the process that holds one.
 """
 
 from __future__ import annotations
@@ -125,11 +126,19 @@ class StreamInbox:
 
 @dataclass(eq=False)
 class AgentLink:
-    """One agent websocket held by this process."""
+    """One agent websocket held by this process: its main connection, or a data link (then
+    ``session`` is the main connection's session, whose ready versions it serves)."""
 
     name: str
     send_message: Callable[[bytes], Awaitable[None]]
     ready: set[int] = field(default_factory=set)
+    session: int | None = None
+    node_id: int = 0
+    # A data link whose agent's main connection is moving (its session closed, or a new one
+    # not yet ready) keeps serving what it served until the new session reports a ready
+    # version or ``carried_until`` (time.monotonic) passes; see GatewayState._follow_sessions.
+    carried: set[int] = field(default_factory=set)
+    carried_until: float = 0.0
     pending: dict[int, asyncio.Future[AgentReply]] = field(default_factory=dict)
     streams: dict[int, StreamInbox] = field(default_factory=dict)
     outbox: list[bytes] = field(default_factory=list)
@@ -157,6 +166,9 @@ class AgentPool:
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
         self._remote_streams: dict[int, StreamInbox] = {}
+        # Requests sent on a link held here, and forwarded through the channel layer.
+        self.dispatched = {"local": 0, "forwarded": 0}
+        self._turn = 0
 
     # Links -------------------------------------------------------------------------------------
     def add(self, link: AgentLink) -> None:
@@ -165,6 +177,15 @@ class AgentPool:
     def set_ready(self, link: AgentLink, version_id: int, ready: bool) -> None:
         (link.ready.add if ready else link.ready.discard)(version_id)
         self._reindex()
+
+    def set_ready_versions(self, link: AgentLink, ready: set[int]) -> None:
+        """Replace what a link serves (a data link follows its session's ready versions)."""
+        if ready != link.ready:
+            link.ready = set(ready)
+            self._reindex()
+
+    def data_links(self) -> list[AgentLink]:
+        return [link for link in self._links if link.session is not None]
 
     def remove(self, link: AgentLink, reason: str) -> None:
         """Forget a link and fail its outstanding requests at once."""
@@ -193,6 +214,15 @@ class AgentPool:
     def local_channel_names(self) -> set[str]:
         return {link.name for link in self._links}
 
+    def _pick(self, links: list[AgentLink], load: Callable[[AgentLink], int]) -> AgentLink:
+        """The link with the least ``load``; ties taken in turn, so that agents share even
+        traffic that never queues."""
+        if len(links) == 1:
+            return links[0]
+        self._turn += 1
+        start = self._turn % len(links)
+        return min(links[start:] + links[:start], key=load)
+
     # Requests ----------------------------------------------------------------------------------
     async def infer(
         self,
@@ -219,8 +249,9 @@ class AgentPool:
         fut: asyncio.Future[AgentReply] = loop.create_future()
         links = self._by_version.get(version_id)
         if links:
-            link = min(links, key=lambda candidate: len(candidate.pending))
+            link = self._pick(links, lambda candidate: len(candidate.pending))
             link.pending[request_id] = fut
+            self.dispatched["local"] += 1
             try:
                 await self._send(link.send_frame, frame)
                 return await self._wait(fut, timeout)
@@ -229,6 +260,7 @@ class AgentPool:
         channels = self.remote.get(version_id)
         if channels and self.remote_sender is not None:
             self._remote_pending[request_id] = fut
+            self.dispatched["forwarded"] += 1
             try:
                 await self._send(partial(self.remote_sender, random.choice(channels)), frame)
                 return await self._wait(fut, timeout)
@@ -243,9 +275,11 @@ class AgentPool:
         frame = encode_frame(request)
         links = self._by_version.get(request.version_id)
         if links:
-            link = min(links, key=lambda c: len(c.pending) + len(c.streams))
+            link = self._pick(links, lambda c: len(c.pending) + len(c.streams))
             stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
+            self.dispatched["local"] += 1
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
+            self.dispatched["forwarded"] += 1
             channel = random.choice(self.remote[request.version_id])
             send = partial(self.remote_sender, channel)
             stream = self._remote_streams[request.id] = StreamInbox(request.id, send)

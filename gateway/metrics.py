@@ -89,6 +89,22 @@ TOKENS = Counter(
     ["tenant", "model", "version"],
 )
 
+DISPATCHED = Counter(
+    "switchyard_gateway_dispatched",
+    "Requests and streams handed to an agent, by path: local (on an agent link this gateway "
+    "process holds) or forwarded (through the channel layer to the process holding one).",
+    ["path"],
+)
+
+
+def fold_dispatched(counts: dict[str, int]) -> None:
+    """Move the pool's counts of local and forwarded dispatches into prometheus-client."""
+    for path, n in counts.items():
+        if n:
+            DISPATCHED.labels(path).inc(n)
+            counts[path] = 0
+
+
 REJECT_REASONS = {
     401: "unauthenticated",
     403: "unauthenticated",

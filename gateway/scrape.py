@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from platform_site.tokens import bearer
 
 from .asgi_types import Receive, Scope, Send
-from .metrics import exposition
+from .metrics import exposition, fold_dispatched
 from .state import get_state
 
 
@@ -28,7 +28,9 @@ async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
         status, content_type = 401, b"application/json"
         body = b'{"error": "metrics need the bearer token SWITCHYARD_METRICS_TOKEN"}'
     else:
-        get_state().metrics.fold()  # this process's latest counts; others fold every 0.5 s
+        state = get_state()
+        state.metrics.fold()  # this process's latest counts; others fold every 0.5 s
+        fold_dispatched(state.pool.dispatched)
         status, content_type = 200, CONTENT_TYPE_LATEST.encode()
         body = await database_sync_to_async(exposition)()
     await send(

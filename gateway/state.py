@@ -20,7 +20,7 @@ from channels.layers import BaseChannelLayer, InMemoryChannelLayer, get_channel_
 from django.conf import settings
 from django.utils import timezone
 
-from fleet import coldstart, nodes
+from fleet import coldstart, gateways, nodes
 from fleet.changes import read_generation
 from monitoring.traffic import TrafficCounter, save_samples
 from rollouts.routing import Split, active_split
@@ -29,8 +29,9 @@ from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
-from .dispatch import AgentPool, DispatchError
-from .metrics import Observed, RequestMetrics
+from .dispatch import AgentLink, AgentPool, DispatchError
+from .links import LinkListener
+from .metrics import Observed, RequestMetrics, fold_dispatched
 from .predlog import PredictionLogger
 from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
 
@@ -78,6 +79,11 @@ class GatewayState:
         self._task: asyncio.Task[None] | None = None
         self._reply_task: asyncio.Task[None] | None = None
         self.agent_consumers: set = set()  # AgentConsumer instances held by this process
+        # This process's address for agents' data links (None: agents reach it only through
+        # their main connection), and the other live processes' addresses.
+        self.link_listener: LinkListener | None = None
+        self.other_gateways: list[str] = []
+        self._gateways_checked = 0.0
         self.cold_start_hold_s = settings.SWITCHYARD_COLD_START_HOLD_S
         # version id -> (when this process last woke it, the call saying if it is deployed)
         self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
@@ -224,6 +230,7 @@ class GatewayState:
 
     async def refresh_once(self) -> None:
         self.metrics.fold()
+        fold_dispatched(self.pool.dispatched)
         generation = await database_sync_to_async(read_generation)()
         if generation != self._generation:
             first = self._generation is None
@@ -232,7 +239,10 @@ class GatewayState:
                 self.clear_caches()
                 for consumer in list(self.agent_consumers):
                     await consumer.push_assignment()
-        await self._refresh_remote_agents()
+        await self._refresh_agents()
+        if time.monotonic() - self._gateways_checked > gateways.SEEN_EVERY_S:
+            self._gateways_checked = time.monotonic()
+            await self._refresh_gateways()
         if time.monotonic() - self._last_flush > FLUSH_S:
             self._last_flush = time.monotonic()
             used, self._key_use = self._key_use, {}
@@ -245,19 +255,72 @@ class GatewayState:
             if shadows:
                 await database_sync_to_async(record_shadow)(shadows)
 
-    async def _refresh_remote_agents(self) -> None:
+    async def _refresh_agents(self) -> None:
+        """Follow the agents alive in every process: the ready versions of the data links held
+        here, and (the fallback) where to forward a request no link here can serve."""
         layer = get_channel_layer()
         if layer is None or isinstance(layer, InMemoryChannelLayer):
             return  # one process: every agent is local
+        agents = await database_sync_to_async(nodes.live_agents)()
+        await self._follow_sessions(agents)
         local = self.pool.local_channel_names()
         remote: dict[int, list[str]] = {}
-        for channel, ready in await database_sync_to_async(nodes.agent_channels)():
-            if channel not in local:
-                for vid in ready:
-                    remote.setdefault(vid, []).append(channel)
+        for agent in agents:
+            if agent.channel_name not in local:
+                for vid in agent.ready:
+                    remote.setdefault(vid, []).append(agent.channel_name)
         self.pool.remote = remote
         if remote and self._reply_task is None:
             await self._start_reply_listener(layer)
+
+    async def _follow_sessions(self, agents: list[nodes.LiveAgent]) -> None:
+        """A data link serves what its session has ready. While the agent's main connection
+        moves (its process stopped: the session closed; or the agent attached a new session
+        that has reported nothing ready yet) the link keeps serving what it served, for at
+        most ``AGENT_STALE_S`` and only while its node stays enabled: the requests of the
+        processes still up should not wait for the agent to say hello elsewhere."""
+        links = self.pool.data_links()
+        if not links:
+            return
+        by_session = {agent.session_id: agent for agent in agents}
+        now = time.monotonic()
+        carrying = []
+        for link in links:
+            agent = by_session.get(link.session or 0)
+            ready = (
+                set(agent.ready) if agent is not None and agent.node_id == link.node_id else set()
+            )
+            if ready or (agent is not None and now >= link.carried_until):
+                link.carried, link.carried_until = set(), 0.0
+                self.pool.set_ready_versions(link, ready)
+                continue
+            if not link.carried_until:  # its session just closed: carry what it served
+                carry(link, now)
+            carrying.append(link)
+        if carrying:
+            enabled = await database_sync_to_async(nodes.enabled_nodes)(
+                {link.node_id for link in carrying}
+            )
+            for link in carrying:
+                if now >= link.carried_until or link.node_id not in enabled:
+                    link.carried = set()
+                self.pool.set_ready_versions(link, link.carried)
+
+    async def _refresh_gateways(self) -> None:
+        """Mark this process seen, and tell the agents whose main connection is here when the
+        other processes' link addresses change."""
+        layer = get_channel_layer()
+        if layer is None or isinstance(layer, InMemoryChannelLayer):
+            return
+        own = self.link_listener.key if self.link_listener is not None else ""
+        if own:
+            await database_sync_to_async(gateways.mark_gateway_seen)(own)
+        live = await database_sync_to_async(gateways.live_gateways)()
+        others = sorted(url for key, url in live.items() if key != own)
+        if others != self.other_gateways:
+            self.other_gateways = others
+            for consumer in list(self.agent_consumers):
+                await consumer.push_links()
 
     async def _start_reply_listener(self, layer: BaseChannelLayer) -> None:
         channel = await layer.new_channel("gateway.")
@@ -274,6 +337,12 @@ class GatewayState:
 
         self.pool.remote_sender = send
         self._reply_task = asyncio.get_running_loop().create_task(listen())
+
+
+def carry(link: AgentLink, now: float) -> None:
+    """Keep what a data link serves while its agent's main connection moves."""
+    link.carried = set(link.ready)
+    link.carried_until = now + settings.SWITCHYARD_AGENT_STALE_S
 
 
 _states: dict[asyncio.AbstractEventLoop, GatewayState] = {}

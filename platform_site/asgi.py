@@ -14,12 +14,16 @@ django_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.urls import path  # noqa: E402
 
+from gateway import links  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
+from gateway.consumers import AgentConsumer  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
-from gateway.state import all_states  # noqa: E402
+from gateway.state import all_states, get_state  # noqa: E402
 from platform_site.routing import websocket_urlpatterns  # noqa: E402
+from serving_agent.protocol import AGENT_WS_PATH  # noqa: E402
 
 # Static files (the admin's CSS and JS) are served by Django's own ASGI static handler on their
 # own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware
@@ -40,16 +44,45 @@ async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
         await django_app(scope, receive, send)
 
 
+# Agents' data links to this process: only the agent socket is served on that address.
+link_app = ProtocolTypeRouter(
+    {
+        "http": links.not_found,
+        "websocket": URLRouter([path(AGENT_WS_PATH.lstrip("/"), AgentConsumer.as_asgi())]),
+    }
+)
+
+
 async def lifespan_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """Acknowledge uvicorn's lifespan events; state starts lazily on the first request."""
+    """Start this process's link address for agents (with several gateway processes); on
+    shutdown, close it and write what the prediction log still buffers."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            try:
+                await start_links()
+            except Exception as exc:  # a start-up that cannot serve agents must say so
+                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            await stop_links()
             await flush_prediction_logs()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def start_links() -> None:
+    if links.links_enabled():
+        state = get_state()
+        state.link_listener = links.link_listener(link_app)
+        await state.link_listener.start()
+
+
+async def stop_links() -> None:
+    for state in all_states():
+        if state.link_listener is not None:
+            await state.link_listener.stop()
 
 
 async def flush_prediction_logs(timeout_s: float = 5.0) -> None:

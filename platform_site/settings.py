@@ -280,6 +280,13 @@ SWITCHYARD_RATE_LEASE_FRACTION = env_float("SWITCHYARD_RATE_LEASE_FRACTION", 0.1
 # Agents silent for longer are treated as gone.
 SWITCHYARD_AGENT_STALE_S = env_float("SWITCHYARD_AGENT_STALE_S", 30)
 SWITCHYARD_AGENT_HEARTBEAT_S = env_float("SWITCHYARD_AGENT_HEARTBEAT_S", 5)
+# Several gateway processes (with Redis): each listens on an address of its own for agents'
+# data links, so every process reaches every agent in process. LINK_PORT 0 takes a free port
+# (several processes on one machine); ADVERTISE is the host agents dial (a pod's IP).
+SWITCHYARD_AGENT_LINKS = env_bool("SWITCHYARD_AGENT_LINKS", bool(REDIS_URL))
+SWITCHYARD_LINK_HOST = env("SWITCHYARD_LINK_HOST", "127.0.0.1")
+SWITCHYARD_LINK_PORT = env_int("SWITCHYARD_LINK_PORT", 0)
+SWITCHYARD_LINK_ADVERTISE = env("SWITCHYARD_LINK_ADVERTISE", "")
 # A request for an autoscaled version with no ready replica wakes its deployment and waits this
 # long for a replica to start and load; past it the client gets 503 + Retry-After.
 SWITCHYARD_COLD_START_HOLD_S = env_float("SWITCHYARD_COLD_START_HOLD_S", 30)

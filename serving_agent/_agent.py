@@ -13,10 +13,11 @@ from pydantic import ValidationError
 from ._cache import ArtifactCache
 from ._connection import Connection, ws_url
 from ._facts import node_facts
+from ._links import DataLinks
 from ._memory import gpu_use
 from ._serving import Serving
 from ._versions import VersionSet
-from .protocol import Assign, Heartbeat, Hello, VersionStatus
+from .protocol import Assign, Heartbeat, Hello, Links, VersionStatus
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,16 @@ class Agent:
             cold_after_s=cold_after_s,
         )
         self.serving = Serving(self.versions.loaded, self.connection)
+        self.links = DataLinks(
+            self.connection.url,
+            self.headers,
+            self.versions.loaded,
+            self.serving.stats,
+            retry_base=retry_base,
+            retry_cap=retry_cap,
+            auth_retry_s=auth_retry_s,
+            stable_s=stable_s,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect and serve until ``stop`` is set, reconnecting with backoff; then unload all."""
@@ -85,6 +96,7 @@ class Agent:
     async def shutdown(self) -> None:
         """Stop serving, unload everything and wait for background work; the agent is done
         afterwards."""
+        await self.links.close()
         await self.serving.shutdown()
         await self.versions.shutdown()
 
@@ -96,15 +108,18 @@ class Agent:
             kind = data.get("type") if isinstance(data, dict) else None
         except ValueError:
             kind = None
-        if kind != "assign":
+        if kind not in ("assign", "links"):
             logger.warning("ignoring control message of type %r", kind)
             return
         try:
-            assign = Assign.model_validate(data)
+            message = (Assign if kind == "assign" else Links).model_validate(data)
         except ValidationError as exc:
-            logger.error("ignoring invalid assign: %s", exc)
+            logger.error("ignoring invalid %s: %s", kind, exc)
             return
-        self.apply_assign(assign)
+        if isinstance(message, Assign):
+            self.apply_assign(message)
+        else:
+            self.links.update(message)
 
     def handle_frame(self, frame: bytes) -> None:
         self.serving.handle_frame(frame)

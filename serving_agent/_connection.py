@@ -17,6 +17,7 @@ from .protocol import (
     AGENT_WS_PATH,
     CLOSE_CLAIM_REFUSED,
     CLOSE_UNAUTHORIZED,
+    Attach,
     Heartbeat,
     Hello,
     pack_frames,
@@ -53,8 +54,8 @@ class AuthRejected(Exception):
 # Why the platform closed the socket, for the codes that mean "do not simply reconnect".
 REFUSALS = {
     CLOSE_UNAUTHORIZED: "the node token is unknown or disabled; check --token",
-    CLOSE_CLAIM_REFUSED: "it claimed a deployment or version its node may not serve; check "
-    "--deployment and the node's tenant",
+    CLOSE_CLAIM_REFUSED: "it claimed a deployment, version or session its node may not serve; "
+    "check --deployment and the node's tenant",
 }
 
 
@@ -91,8 +92,8 @@ class Connection:
         headers: dict[str, str],
         receiver: Receiver,
         *,
-        hello: Callable[[], Awaitable[Hello]],
-        heartbeat: Callable[[], Heartbeat],
+        hello: Callable[[], Awaitable[Hello | Attach]],
+        heartbeat: Callable[[], Heartbeat] | None,
         retry_base: float = 0.5,
         retry_cap: float = 10.0,
         auth_retry_s: float = 60.0,
@@ -189,7 +190,8 @@ class Connection:
         """Say hello, then hand messages to the receiver until the connection closes."""
         await ws.send((await self._hello()).model_dump_json())
         self.socket = ws
-        self._heartbeats = asyncio.create_task(self.heartbeat_loop(), name="heartbeats")
+        if self._heartbeat is not None:  # a data link sends none: its main connection does
+            self._heartbeats = asyncio.create_task(self.heartbeat_loop(), name="heartbeats")
         closer = asyncio.create_task(self._close_on(stop, ws), name="closer")
         try:
             async for message in ws:
@@ -197,7 +199,8 @@ class Connection:
         finally:
             self.socket = None
             self._outbox = []  # replies to the old connection's requests go nowhere
-            self._heartbeats.cancel()
+            if self._heartbeats is not None:
+                self._heartbeats.cancel()
             closer.cancel()
             self.receiver.disconnected()
         if not stop.is_set():
@@ -269,6 +272,7 @@ class Connection:
             self._heartbeats = asyncio.create_task(self.heartbeat_loop(), name="heartbeats")
 
     async def heartbeat_loop(self) -> None:
+        assert self._heartbeat is not None
         while True:
             await asyncio.sleep(self.heartbeat_s)
             await self.send(self._heartbeat().model_dump_json())

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,10 +192,13 @@ class Engine:
             self._cancel.add(stream)
             self._wakeup.set()
 
-    def cancel_all(self) -> None:
-        """The connection dropped: stop every stream and free its row at the next step."""
-        self._cancel.update(self._live.values())
-        self._live.clear()  # their ids are free for the next connection's requests
+    def cancel_all(self, senders: Collection[SendFrames] | None = None) -> None:
+        """A connection dropped: stop its streams (those sending through ``senders``; every
+        stream without) and free their rows at the next step."""
+        gone = [s for s in self._live.values() if senders is None or s.send in senders]
+        self._cancel.update(gone)
+        for stream in gone:
+            del self._live[stream.request.id]  # their ids are free for new requests
         self._wakeup.set()
 
     async def stop(self) -> None:

@@ -102,11 +102,18 @@ class Serving:
     the version set's job.
     """
 
-    def __init__(self, loaded: Mapping[int, Loaded | LoadedTextGen], sender: FrameSender) -> None:
+    def __init__(
+        self,
+        loaded: Mapping[int, Loaded | LoadedTextGen],
+        sender: FrameSender,
+        stats: Stats | None = None,
+    ) -> None:
         self.loaded = loaded
         self.sender = sender
-        self.stats = Stats()
+        # One per connection (the main one and each data link), counting into the same stats.
+        self.stats = stats or Stats()
         self._requests: set[asyncio.Task[None]] = set()
+        self._stream_senders: set[SendFrames] = set()  # what this connection's streams use
 
     def handle_frame(self, frame: bytes) -> None:
         """Start serving one binary frame; every request id gets exactly one reply."""
@@ -138,7 +145,9 @@ class Serving:
                 raise NotLoaded(f"version {request.version_id} is not ready on this agent")
             if not isinstance(loaded, LoadedTextGen):
                 raise BadInput(f"version {request.version_id} does not generate text")
-            loaded.engine.submit(request, self.sender.stream_sender(), received)
+            send = self.sender.stream_sender()
+            loaded.engine.submit(request, send, received)
+            self._stream_senders.add(send)
             loaded.usage.requests_total += 1  # the engine's streams count what is in flight
             loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
@@ -208,8 +217,9 @@ class Serving:
         """The connection dropped: stop the work whose answers would go to it."""
         for task in list(self._requests):
             task.cancel()  # their replies have nowhere to go; the platform fails them
+        senders, self._stream_senders = self._stream_senders, set()
         for engine in self.engines():
-            engine.cancel_all()  # nobody reads those streams any more; free their rows
+            engine.cancel_all(senders)  # nobody reads those streams any more; free their rows
 
     async def shutdown(self) -> None:
         """Cancel the requests still running and wait for them to end."""

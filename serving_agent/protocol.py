@@ -102,6 +102,23 @@ class Assign(BaseModel):
     heartbeat_s: float = 5.0
 
 
+# Links to every gateway process: requests reach the agent in the process that received them.
+MAX_LINKS = 256
+MAX_LINK_URL = 300
+
+
+class Links(BaseModel):
+    """The other gateway processes' link addresses, and the session to attach there. The
+    agent keeps one data link to each (and drops those no longer listed); the connection this
+    arrives on already serves the process that sent it."""
+
+    type: Literal["links"] = "links"
+    session: int
+    urls: list[Annotated[str, Field(max_length=MAX_LINK_URL, pattern=r"^wss?://")]] = Field(
+        default_factory=list, max_length=MAX_LINKS
+    )
+
+
 # Agent -> platform ----------------------------------------------------------------------------
 
 
@@ -124,6 +141,15 @@ class Hello(BaseModel):
     deployment: str | None = None
     # Memory this agent may fill with loaded versions (accelerator memory on a GPU node).
     memory_budget_bytes: int = 0
+
+
+class Attach(BaseModel):
+    """First message on a data link (and again when the agent's session changes): the
+    session, opened by the agent's hello on its main connection, whose versions it serves.
+    Nothing else is claimed here: which versions are ready comes from that session."""
+
+    type: Literal["attach"] = "attach"
+    session: int
 
 
 VersionState = Literal["loading", "ready", "failed", "unloaded", "evicted"]
@@ -194,7 +220,7 @@ class Heartbeat(BaseModel):
     batch_rows_total: int = 0
 
 
-AgentMessage = Annotated[Hello | VersionStatus | Heartbeat, Field(discriminator="type")]
+AgentMessage = Annotated[Hello | Attach | VersionStatus | Heartbeat, Field(discriminator="type")]
 agent_message = TypeAdapter(AgentMessage)
 
 

@@ -289,6 +289,21 @@ async def test_cancel_all_frees_every_row(make_engine: Callable[..., Engine]) ->
     assert engine.stats.streams_cancelled_total == 3 and engine._active == []
 
 
+async def test_cancel_all_of_one_connection_leaves_the_others_streams(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, ours, theirs = make_engine(max_streams=3), Collector(), Collector()
+    engine.submit(request(0, PROMPTS[0], max_new_tokens=56), ours)
+    engine.submit(request(1, PROMPTS[1], max_new_tokens=8), theirs)
+    await until(lambda: engine.stats.decode_steps_total >= 2)
+    engine.cancel_all({ours})
+    assert engine.streams_active == 1
+    await ours.wait(0)
+    await theirs.wait(1)
+    assert ours.end(0).finish_reason == "cancelled"
+    assert theirs.end(1).finish_reason != "cancelled"
+
+
 async def test_requests_past_the_limits_are_refused(make_engine: Callable[..., Engine]) -> None:
     engine, out = make_engine(max_input_tokens=10, max_output_tokens=20, max_streams=2), Collector()
     with pytest.raises(ValueError, match="prompt is 11 tokens; this version takes at most 10") as e:

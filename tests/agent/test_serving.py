@@ -62,7 +62,7 @@ class FakeEngine:
         self.refuses = refuses
         self.submitted: list[tuple[GenerateRequest, Any]] = []
         self.cancelled: list[int] = []
-        self.all_cancelled = False
+        self.all_cancelled: list[set] = []  # the senders of each cancel_all
 
     def submit(self, request: GenerateRequest, send: Any, received: float) -> None:
         if self.refuses is not None:
@@ -72,8 +72,8 @@ class FakeEngine:
     def cancel(self, request_id: int) -> None:
         self.cancelled.append(request_id)
 
-    def cancel_all(self) -> None:
-        self.all_cancelled = True
+    def cancel_all(self, senders: Any = None) -> None:
+        self.all_cancelled.append(set(senders))
 
 
 def doubling(spec: VersionSpec, gate: threading.Event | None = None) -> Loaded:
@@ -287,5 +287,8 @@ async def test_cancel_frames_reach_the_engines_and_a_dropped_connection_cancels_
     )
     serving.handle_frame(encode_frame(CancelGenerate(id=5)))
     assert [e.cancelled for e in engines] == [[5], [5]]
+    serving.handle_frame(generate_frame(6, version_id=2))
     serving.drop_connection()
-    assert all(e.all_cancelled for e in engines)
+    (send,) = {send for _, send in engines[0].submitted}
+    # Only this connection's streams: a data link to another gateway keeps its own.
+    assert all(e.all_cancelled == [{send}] for e in engines)

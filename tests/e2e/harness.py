@@ -8,6 +8,7 @@ import atexit
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -256,3 +257,12 @@ def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2
 
 def create_node(backend: Backend, name: str) -> str:
     return backend.manage("create_node", name, "--quiet").strip()
+
+
+def dispatched(url: str) -> dict[str, float]:
+    """This process's requests handed to an agent: {"local": n, "forwarded": m}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'^switchyard_gateway_dispatched_total\{path="(\w+)"\} (\S+)$', text, re.M)
+    counts = {"local": 0.0, "forwarded": 0.0}
+    counts.update({path: float(n) for path, n in found})
+    return counts
