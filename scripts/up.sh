@@ -27,6 +27,23 @@ cat <<MSG
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
 
 MSG
+# With Redis, several gateway processes share agents (each agent links to every one of them),
+# so the web server runs one worker per CPU, at most 4; the embedded default's in-memory channel
+# layer lives inside one process, so it runs one. Their metrics go to one directory, emptied
+# here, so a scrape of /metrics sums them.
+if [ -n "${REDIS_URL:-}" ]; then
+  cpus=$(nproc)
+  export WEB_WORKERS="${WEB_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
+else
+  export WEB_WORKERS=1
+fi
+if [ "$WEB_WORKERS" -gt 1 ] && [ -z "${PROMETHEUS_MULTIPROC_DIR:-}" ]; then
+  export PROMETHEUS_MULTIPROC_DIR="$PWD/var/prometheus"
+fi
+if [ -n "${PROMETHEUS_MULTIPROC_DIR:-}" ]; then
+  rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
+fi
+
 # Agent replicas the autoscaler started run in their own sessions: stop them when we stop.
 trap '$PY manage.py stop_local_agents' EXIT
 .venv/bin/honcho -f Procfile start
