@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.harness import (  # noqa: E402
     PY,
     Proc,
+    dispatched,
     free_port,
     services_backend,
     wait_until,
@@ -99,15 +100,17 @@ def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float
     return rates[0], rates[1]
 
 
-# id -> (label, server, path, hop): the OIP v2 path under both servers, the DRF prediction
-# API, and the Redis hop: a second uvicorn process that holds no agent takes the load, so every
-# request crosses the Redis channel layer to the process holding the agent's socket.
+# id -> (label, server, path, hop, workers): the OIP v2 path under both servers, the DRF
+# prediction API, two gateway processes (``uvicorn --workers 2``, the agent holding a data link to
+# each), and the Redis hop: a second uvicorn process that holds no agent (data links off) takes
+# the load, so every request crosses the Redis channel layer to the process holding the agent.
 CASES = {
-    "uvicorn": ("uvicorn", "uvicorn", "oip", False),
-    "daphne": ("daphne", "daphne", "oip", False),
-    "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict", False),
-    "redis-hop": ("uvicorn, via Redis to another process", "uvicorn", "oip", True),
-    "canary": ("uvicorn, canary plan 50/50", "uvicorn", "oip", False),
+    "uvicorn": ("uvicorn", "uvicorn", "oip", False, 1),
+    "workers2": ("uvicorn --workers 2", "uvicorn", "oip", False, 2),
+    "daphne": ("daphne", "daphne", "oip", False, 1),
+    "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict", False, 1),
+    "redis-hop": ("uvicorn, via Redis to another process", "uvicorn", "oip", True, 1),
+    "canary": ("uvicorn, canary plan 50/50", "uvicorn", "oip", False, 1),
 }
 # Registers the demo artifact again as version 2 and starts a 50 % canary towards it.
 START_CANARY = """
@@ -173,15 +176,22 @@ def main() -> None:
         "predict": "/api/v1/models/fraud-detector/predict",
     }
     rows = []
+    notes: list[str] = []
     running: list[Proc] = []  # stopped in ``finally`` too, so a failed run leaves nothing behind
     try:
-        for label, server, kind, hop in (CASES[c] for c in args.cases.split(",")):
+        for label, server, kind, hop, workers in (CASES[c] for c in args.cases.split(",")):
             if label == CASES["canary"][0]:
                 backend.shell(START_CANARY)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             env = {**backend.env, "LOG_LEVEL": "WARNING"}
+            if hop:  # no data links, so the front process must go through Redis
+                env["SWITCHYARD_AGENT_LINKS"] = "0"
             cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=port).split()]
+            if workers > 1:
+                cmd += ["--workers", str(workers)]
+                # One metrics directory, so /metrics sums the workers' dispatch counters.
+                env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(dir=tmp)
             srv = Proc(server, cmd, env, tmp)
             servers = [srv]
             if hop:
@@ -198,6 +208,8 @@ def main() -> None:
             if label == CASES["canary"][0]:
                 v2_ready = f"{url}/v2/models/fraud-detector/versions/2/ready"
                 wait_until(partial(_ok, v2_ready, headers), 60, agent)
+            if workers > 1:  # the agent's data links reach the other workers within seconds
+                time.sleep(8)
             if hop:
                 url = f"http://127.0.0.1:{front_port}"
                 front_ready = f"{url}/v2/models/fraud-detector/ready"
@@ -222,6 +234,12 @@ def main() -> None:
                     }
                 )
                 print(_row(rows[-1]), flush=True)
+            if workers > 1:
+                counts = dispatched(url)
+                notes.append(
+                    f"{label}: {counts['local']:,.0f} requests handed to the agent in process, "
+                    f"{counts['forwarded']:,.0f} through Redis (warm-ups included)."
+                )
             agent.stop()
             for proc in servers:
                 proc.stop()
@@ -231,7 +249,7 @@ def main() -> None:
             proc.stop()
         backend.close()
         redis.terminate()
-    table = _table(rows, single, batched)
+    table = _table(rows, single, batched) + "".join(f"\n{n}\n" for n in notes)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
