@@ -11,12 +11,14 @@ a state of a version it was never assigned (another tenant's, or a forgery) clos
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from channels.consumer import get_handler_name
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from pydantic import ValidationError
@@ -44,17 +46,77 @@ from serving_agent.protocol import (
 )
 from tenants.ratelimit import REDIS_ERRORS
 
+from .db import db_call
 from .dispatch import AgentLink
 from .state import carry, get_state
 
 log = logging.getLogger(__name__)
 
 
+WRITE_TRIES = 30  # a state write that keeps failing is retried this often, every WRITE_RETRY_S
+WRITE_RETRY_S = 1.0
+
+
+class SessionWrites:
+    """The database writes of one agent connection (heartbeats, version states, its session's
+    end), made in order by a task of their own. The socket's receive loop never waits for the
+    database: replies keep flowing while a write waits for a lock. Heartbeats coalesce (only
+    the latest unwritten one is written), so a stalled database grows nothing but the
+    handful of state changes."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._writes: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._heartbeat: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._tries = 0
+
+    def put(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._writes.append((fn, args))
+        self._start()
+
+    def heartbeat(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._heartbeat = (fn, args)
+        self._start()
+
+    async def flushed(self) -> None:
+        """Return when every write queued so far is made (or failed)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._writes or self._heartbeat is not None:
+            if self._writes:
+                fn, args = self._writes[0]
+                if await self._write(fn, args) or self._tries >= WRITE_TRIES:
+                    self._writes.popleft()
+                    self._tries = 0
+                else:  # a state change must not be lost to a blip: try it again shortly
+                    self._tries += 1
+                    await asyncio.sleep(WRITE_RETRY_S)
+            else:
+                assert self._heartbeat is not None
+                (fn, args), self._heartbeat = self._heartbeat, None
+                await self._write(fn, args)  # a failed one is superseded by the next
+
+    async def _write(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+        try:
+            await db_call(fn)(*args)
+        except Exception:
+            log.warning("agent %s: could not record %s", self.label, fn.__name__, exc_info=True)
+            return False
+        return True
+
+
 class AgentConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         headers = dict(self.scope["headers"])
         token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
-        self.node = await database_sync_to_async(nodes.authenticate_node)(token)
+        self.node = await db_call(nodes.authenticate_node)(token)
         self.link: AgentLink | None = None
         self.session_id: int | None = None
         self.sent_assignment: list[VersionSpec] | None = None
@@ -64,6 +126,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.remote_replies: dict[int, str] = {}  # request id -> reply channel
         self.attached: int | None = None  # a data link: the session whose versions it serves
         self.sent_links: Links | None = None
+        self.writes = SessionWrites(str(self.node))
         if self.node is None:
             log.warning("agent connection refused: unknown or disabled node token")
             await self.close(code=CLOSE_UNAUTHORIZED)
@@ -103,17 +166,19 @@ class AgentConsumer(AsyncWebsocketConsumer):
         elif isinstance(message, VersionStatus):
             await self._status(message)
         elif isinstance(message, Heartbeat):
-            await database_sync_to_async(nodes.record_heartbeat)(
-                self.session_id, self.node.pk, message.model_dump(exclude={"type"})
+            self.writes.heartbeat(
+                nodes.record_heartbeat,
+                self.session_id,
+                self.node.pk,
+                message.model_dump(exclude={"type"}),
             )
         else:  # an attach on a main connection
             await self.close(code=CLOSE_BAD_MESSAGE)
 
     async def _hello(self, hello: Hello) -> None:
+        assert self.node is not None  # receive() answers nothing for a refused token
         try:
-            session = await database_sync_to_async(nodes.open_session)(
-                self.node, self.channel_name, hello
-            )
+            session = await db_call(nodes.open_session)(self.node, self.channel_name, hello)
         except nodes.ClaimRefused as exc:
             await self._refuse(str(exc))
             return
@@ -132,7 +197,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         """A data link: this agent's main connection is held by another gateway process (or
         its session was just reopened there). It serves what that session has ready."""
         assert self.node is not None
-        ready = await database_sync_to_async(nodes.attached_ready)(self.node, attach.session)
+        ready = await db_call(nodes.attached_ready)(self.node, attach.session)
         if ready is None:
             await self._refuse(f"session {attach.session}, not a live session of its node")
             return
@@ -177,17 +242,18 @@ class AgentConsumer(AsyncWebsocketConsumer):
             status.state,
             status.detail or status.provider,
         )
-        await database_sync_to_async(nodes.record_version_state)(
-            self.session_id, status, sorted(self.link.ready)
-        )
+        ready_now = sorted(self.link.ready)
+        self.writes.put(nodes.record_version_state, self.session_id, status, ready_now)
 
     async def push_assignment(self, force: bool = False) -> None:
         """Send the versions this node must serve, when they changed since the last send."""
-        node = await database_sync_to_async(nodes.reload_node)(self.node.pk)
+        if self.node is None or self.session_id is None:
+            return
+        node = await db_call(nodes.reload_node)(self.node.pk)
         if node is None or not node.enabled:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        specs = await database_sync_to_async(assignments.assignment_for)(node, self.session_id)
+        specs = await db_call(assignments.assignment_for)(node, self.session_id)
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
             heartbeat = settings.SWITCHYARD_AGENT_HEARTBEAT_S
@@ -201,9 +267,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 for vid in revoked:
                     self.state.pool.set_ready(self.link, vid, False)
                 # Other gateway processes route by the session row: take them off it too.
-                await database_sync_to_async(nodes.record_ready)(
-                    self.session_id, sorted(self.link.ready)
-                )
+                self.writes.put(nodes.record_ready, self.session_id, sorted(self.link.ready))
 
     async def _refuse(self, claim: str) -> None:
         """The agent claimed what was not assigned to it: it gets no more requests, and the
@@ -213,9 +277,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.link is not None:
             self.state.pool.remove(self.link, "the serving agent's connection was refused")
         if self.session_id is not None:
-            # At once, not when the socket's disconnect arrives: other processes route by it.
-            await database_sync_to_async(nodes.close_session)(self.session_id)
+            # Now, not when the socket's disconnect arrives: other processes route by it.
+            self.writes.put(nodes.close_session, self.session_id)
         await self.close(code=CLOSE_CLAIM_REFUSED)
+        await self.writes.flushed()
 
     async def _send_message(self, message: bytes) -> None:
         await self.base_send({"type": "websocket.send", "bytes": message})
@@ -289,4 +354,5 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.remote_replies.clear()
         session_id, self.session_id = self.session_id, None
         if session_id is not None:
-            await database_sync_to_async(nodes.close_session)(session_id)
+            self.writes.put(nodes.close_session, session_id)
+        await self.writes.flushed()

@@ -211,6 +211,10 @@ class AgentPool:
     def is_ready(self, version_id: int) -> bool:
         return bool(self._by_version.get(version_id) or self.remote.get(version_id))
 
+    def any_ready(self) -> bool:
+        """Whether some version can be served (by a link here or, through Redis, elsewhere)."""
+        return bool(self._by_version or self.remote)
+
     def local_channel_names(self) -> set[str]:
         return {link.name for link in self._links}
 

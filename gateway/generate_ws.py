@@ -26,7 +26,6 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.http.request import validate_host
@@ -35,6 +34,7 @@ from pydantic import ValidationError
 from tenants.keys import KeyIdentity
 from tenants.members import session_identity
 
+from .db import db_call
 from .dispatch import SlowClient
 from .generation import GenerateParams, start_generation
 from .pipeline import ApiError, authenticate
@@ -85,9 +85,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         if authorization is not None:
             await self._authenticate(authorization.decode("latin-1"))
         elif user is not None and user.is_authenticated and same_site(headers.get(b"origin")):
-            self.identity = await database_sync_to_async(session_identity)(
-                user, self.scope["session"]
-            )
+            self.identity = await db_call(session_identity)(user, self.scope["session"])
 
     async def disconnect(self, code: int) -> None:
         for task in self.running.values():

@@ -20,13 +20,13 @@ import uuid
 from collections.abc import Iterator
 
 import uvicorn
-from channels.db import database_sync_to_async
 from django.conf import settings
 
 from fleet import gateways
 from serving_agent.protocol import AGENT_WS_PATH
 
 from .asgi_types import Receive, Scope, Send
+from .db import db_call
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,14 @@ class LinkListener:
         if ":" in host:
             host = f"[{host}]"
         self.url = f"ws://{host}:{port}{AGENT_WS_PATH}"
-        await database_sync_to_async(gateways.register_gateway)(self.key, self.url, _me())
+        await db_call(gateways.register_gateway)(self.key, self.url, _me())
         log.info("agents' data links to this process: %s", self.url)
         return self.url
 
     async def stop(self) -> None:
         """Deregister, then close the data links (agents drop them and keep the others)."""
         try:
-            await database_sync_to_async(gateways.deregister_gateway)(self.key)
+            await db_call(gateways.deregister_gateway)(self.key)
         except Exception:  # the database is down: the row expires by itself
             log.warning("could not deregister this gateway process", exc_info=True)
         if self._server is not None and self._task is not None:

@@ -68,9 +68,13 @@ async def _handle(
     if parts == ["v2"]:
         _allow(method, "GET")
         return 200, SERVER_METADATA, []
-    if n == 3 and parts[1] == "health" and parts[2] in ("live", "ready"):
+    if n == 3 and parts[1] == "health" and parts[2] == "live":
         _allow(method, "GET")
-        return 200, orjson.dumps({parts[2]: True}), []
+        return 200, orjson.dumps({"live": True}), []
+    if n == 3 and parts[1] == "health" and parts[2] == "ready":
+        _allow(method, "GET")
+        ready = state.serving_ready()
+        return (200 if ready else 503), orjson.dumps({"ready": ready}), []
     if n < 3 or parts[1] != "models":
         raise ApiError(404, f"no such endpoint: {scope['path']}")
     name = parts[2]

@@ -40,7 +40,10 @@ async def authenticate(state: GatewayState, authorization: str | None) -> KeyIde
             "missing API key: send 'Authorization: Bearer <key>'",
             [("WWW-Authenticate", "Bearer")],
         )
-    identity = await state.identify(raw)
+    try:
+        identity = await state.identify(raw)
+    except DispatchError as exc:  # the key is not cached and the database did not answer
+        raise api_error(exc) from None
     if identity is None:
         raise ApiError(401, "invalid or revoked API key", [("WWW-Authenticate", "Bearer")])
     return identity
@@ -72,6 +75,13 @@ async def resolve(
         return await state.route(identity.tenant_id, model_name, parse_version(version))
     except RouteMissing as exc:
         raise ApiError(404, str(exc)) from None
+    except DispatchError as exc:
+        raise api_error(exc) from None
+
+
+def api_error(exc: DispatchError) -> ApiError:
+    retry = [("Retry-After", str(exc.retry_after))] if exc.retry_after else []
+    return ApiError(exc.status, exc.message, retry)
 
 
 async def admit(
@@ -156,8 +166,7 @@ async def run_inference(
         if observed is not None:
             observed.mark("dispatch")
         state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
-        retry = [("Retry-After", str(exc.retry_after))] if exc.retry_after else []
-        raise ApiError(exc.status, exc.message, retry) from None
+        raise api_error(exc) from None
     ok = not isinstance(reply, InferError) or reply.code == "bad_input"
     state.traffic.record(route.version_id, time.perf_counter() - started, ok)
     if observed is not None:
@@ -197,7 +206,10 @@ async def route_request(
     plan's header, else the request id, else random) and the sampled shadow copy."""
     if explicit_version:
         return Routed(route)
-    split = await state.split(identity.tenant_id, route.model_name)
+    try:
+        split = await state.split(identity.tenant_id, route.model_name)
+    except DispatchError as exc:
+        raise api_error(exc) from None
     if split is None:
         return Routed(route)
     key = header(split.routing_header) or request_id or uuid.uuid4().hex
@@ -207,6 +219,8 @@ async def route_request(
             route = await state.version_route(identity.tenant_id, arm.version_id)
         except RouteMissing as exc:
             raise ApiError(404, str(exc)) from None
+        except DispatchError as exc:
+            raise api_error(exc) from None
     return Routed(route, arm.name, split.plan_id, split.shadow_for(key))
 
 
@@ -227,7 +241,7 @@ async def shadow_copy(
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         result = await run_inference(state, route, names, arrays)
-    except (ApiError, RouteMissing) as exc:
+    except (ApiError, RouteMissing, DispatchError) as exc:
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
         answered, agreed, failed = 0, 0, 1
     else:

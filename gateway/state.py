@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Any, TypeVar
 
-from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer, InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
+from django.db import DatabaseError
 from django.utils import timezone
 
 from fleet import coldstart, gateways, nodes
@@ -29,6 +30,7 @@ from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
+from .db import db_call
 from .dispatch import AgentLink, AgentPool, DispatchError
 from .links import LinkListener
 from .metrics import Observed, RequestMetrics, fold_dispatched
@@ -42,6 +44,12 @@ FLUSH_S = 5.0  # key last-used times and traffic samples are written this often
 WAKE_EVERY_S = 5.0  # a held cold start re-marks its deployment this often (the autoscaler's
 # pending signal), and a version is woken at most this often however many requests wait
 COLD_RETRY_AFTER_S = 5  # Retry-After of a cold start that outlasted the hold
+DB_RETRY_AFTER_S = 1  # Retry-After of a request whose lookup the database did not answer
+# A process whose refresh has not reached the database for this long, and that holds no ready
+# agent link, says it is not ready (/v2/health/ready): it can serve nothing.
+READY_STALE_S = 30.0
+
+T = TypeVar("T")
 
 Progress = Callable[[dict], Awaitable[None]]
 
@@ -84,6 +92,7 @@ class GatewayState:
         self.link_listener: LinkListener | None = None
         self.other_gateways: list[str] = []
         self._gateways_checked = 0.0
+        self.refreshed_at: float | None = None  # time.monotonic() of the last whole refresh
         self.cold_start_hold_s = settings.SWITCHYARD_COLD_START_HOLD_S
         # version id -> (when this process last woke it, the call saying if it is deployed)
         self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
@@ -93,7 +102,7 @@ class GatewayState:
         try:
             identity = self._keys[raw_key]
         except KeyError:
-            identity = await database_sync_to_async(identify_key)(raw_key)
+            identity = await lookup(identify_key, raw_key)
             self._remember(self._keys, raw_key, identity)
         if identity is not None:
             self._key_use[identity.key_id] = timezone.now()
@@ -105,7 +114,7 @@ class GatewayState:
             found = self._routes[key]
         except KeyError:
             try:
-                found = await database_sync_to_async(resolve_route)(*key)
+                found = await lookup(resolve_route, *key)
             except RouteMissing as exc:
                 found = str(exc)
             self._remember(self._routes, key, found)
@@ -119,7 +128,7 @@ class GatewayState:
         try:
             return self._splits[key]
         except KeyError:
-            found = await database_sync_to_async(active_split)(tenant_id, model_name, DEFAULT_ALIAS)
+            found = await lookup(active_split, tenant_id, model_name, DEFAULT_ALIAS)
             self._remember(self._splits, key, found)
             return found
 
@@ -127,7 +136,7 @@ class GatewayState:
         try:
             return self._by_id[(tenant_id, version_id)]
         except KeyError:
-            found = await database_sync_to_async(resolve_version_id)(tenant_id, version_id)
+            found = await lookup(resolve_version_id, tenant_id, version_id)
             self._remember(self._by_id, (tenant_id, version_id), found)
             return found
 
@@ -156,7 +165,7 @@ class GatewayState:
                     COLD_RETRY_AFTER_S,
                 )
             if progress is not None and now >= next_report:
-                report = await database_sync_to_async(coldstart.cold_start_progress)(version_id)
+                report = await db_call(coldstart.cold_start_progress)(version_id)
                 await progress(report | {"elapsed_s": round(now - started, 1)})
                 next_report = now + 1.0
             await self._wake(version_id)
@@ -168,7 +177,7 @@ class GatewayState:
         now = time.monotonic()
         entry = self._woken.get(version_id)
         if entry is None or now - entry[0] >= WAKE_EVERY_S:
-            call = asyncio.ensure_future(database_sync_to_async(coldstart.wake)(version_id))
+            call = asyncio.ensure_future(db_call(coldstart.wake)(version_id))
             entry = (now, call)
             self._remember(self._woken, version_id, entry)
         try:
@@ -224,14 +233,25 @@ class GatewayState:
         while True:
             try:
                 await self.refresh_once()
+                self.refreshed_at = time.monotonic()
             except Exception:  # a database blip must not stop the loop for good
                 log.exception("gateway refresh failed; retrying")
             await asyncio.sleep(self._interval)
 
+    def serving_ready(self) -> bool:
+        """Whether this process can serve predictions now (``/v2/health/ready``): it has read
+        the platform's configuration at least once, and either the database answered lately
+        (new keys and routes can be looked up) or an agent link is ready (the cached ones are
+        served while the database is away)."""
+        if self.refreshed_at is None:
+            return False
+        fresh = time.monotonic() - self.refreshed_at < READY_STALE_S
+        return fresh or self.pool.any_ready()
+
     async def refresh_once(self) -> None:
         self.metrics.fold()
         fold_dispatched(self.pool.dispatched)
-        generation = await database_sync_to_async(read_generation)()
+        generation = await db_call(read_generation)()
         if generation != self._generation:
             first = self._generation is None
             self._generation = generation
@@ -247,13 +267,13 @@ class GatewayState:
             self._last_flush = time.monotonic()
             used, self._key_use = self._key_use, {}
             if used:
-                await database_sync_to_async(record_key_use)(used)
+                await db_call(record_key_use)(used)
             counts = self.traffic.drain()
             if counts:
-                await database_sync_to_async(save_samples)(counts)
+                await db_call(save_samples)(counts)
             shadows, self.shadow_stats = self.shadow_stats, {}
             if shadows:
-                await database_sync_to_async(record_shadow)(shadows)
+                await db_call(record_shadow)(shadows)
 
     async def _refresh_agents(self) -> None:
         """Follow the agents alive in every process: the ready versions of the data links held
@@ -261,7 +281,7 @@ class GatewayState:
         layer = get_channel_layer()
         if layer is None or isinstance(layer, InMemoryChannelLayer):
             return  # one process: every agent is local
-        agents = await database_sync_to_async(nodes.live_agents)()
+        agents = await db_call(nodes.live_agents)()
         await self._follow_sessions(agents)
         local = self.pool.local_channel_names()
         remote: dict[int, list[str]] = {}
@@ -298,9 +318,7 @@ class GatewayState:
                 carry(link, now)
             carrying.append(link)
         if carrying:
-            enabled = await database_sync_to_async(nodes.enabled_nodes)(
-                {link.node_id for link in carrying}
-            )
+            enabled = await db_call(nodes.enabled_nodes)({link.node_id for link in carrying})
             for link in carrying:
                 if now >= link.carried_until or link.node_id not in enabled:
                     link.carried = set()
@@ -314,8 +332,8 @@ class GatewayState:
             return
         own = self.link_listener.key if self.link_listener is not None else ""
         if own:
-            await database_sync_to_async(gateways.mark_gateway_seen)(own)
-        live = await database_sync_to_async(gateways.live_gateways)()
+            await db_call(gateways.mark_gateway_seen)(own)
+        live = await db_call(gateways.live_gateways)()
         others = sorted(url for key, url in live.items() if key != own)
         if others != self.other_gateways:
             self.other_gateways = others
@@ -337,6 +355,21 @@ class GatewayState:
 
         self.pool.remote_sender = send
         self._reply_task = asyncio.get_running_loop().create_task(listen())
+
+
+async def lookup(fn: Callable[..., T], *args: Any) -> T:
+    """A cache miss's database query. When the database does not answer in time (a lock held
+    past ``SWITCHYARD_DB_LOCK_TIMEOUT_MS``, a stall, an outage) only this request fails, with
+    503 and Retry-After; requests served from the caches never wait for it."""
+    try:
+        return await db_call(fn)(*args)
+    except DatabaseError as exc:
+        log.warning("a data-path lookup failed: %s", exc)
+        raise DispatchError(
+            503,
+            "the platform's database did not answer in time; retry shortly",
+            DB_RETRY_AFTER_S,
+        ) from None
 
 
 def carry(link: AgentLink, now: float) -> None:

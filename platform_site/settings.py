@@ -287,6 +287,13 @@ SWITCHYARD_AGENT_LINKS = env_bool("SWITCHYARD_AGENT_LINKS", bool(REDIS_URL))
 SWITCHYARD_LINK_HOST = env("SWITCHYARD_LINK_HOST", "127.0.0.1")
 SWITCHYARD_LINK_PORT = env_int("SWITCHYARD_LINK_PORT", 0)
 SWITCHYARD_LINK_ADVERTISE = env("SWITCHYARD_LINK_ADVERTISE", "")
+# The gateway's database calls run on this many threads (each its own connection; 0: Channels'
+# one shared thread), and on PostgreSQL they give up waiting for a lock, or running, after
+# these many milliseconds: a locked control-plane table then costs only the requests that
+# truly need the database (they answer 503), not every request behind them.
+SWITCHYARD_DB_THREADS = env_int("SWITCHYARD_DB_THREADS", 8)
+SWITCHYARD_DB_LOCK_TIMEOUT_MS = env_int("SWITCHYARD_DB_LOCK_TIMEOUT_MS", 2000)
+SWITCHYARD_DB_STATEMENT_TIMEOUT_MS = env_int("SWITCHYARD_DB_STATEMENT_TIMEOUT_MS", 5000)
 # A request for an autoscaled version with no ready replica wakes its deployment and waits this
 # long for a replica to start and load; past it the client gets 503 + Retry-After.
 SWITCHYARD_COLD_START_HOLD_S = env_float("SWITCHYARD_COLD_START_HOLD_S", 30)

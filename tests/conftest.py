@@ -94,3 +94,19 @@ def own_redis():
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _gateway_db_calls_on_the_test_thread(request):
+    """The gateway's database calls run on a thread pool in a server (``gateway.db``); a test's
+    rows live in its transaction, which only its own thread sees, so tests keep the calls on
+    Channels' one thread unless marked ``db_threads``."""
+    if request.node.get_closest_marker("db_threads"):
+        yield
+        return
+    from django.conf import settings
+
+    threads = settings.SWITCHYARD_DB_THREADS
+    settings.SWITCHYARD_DB_THREADS = 0
+    yield
+    settings.SWITCHYARD_DB_THREADS = threads
