@@ -8,7 +8,6 @@ under ``/v2`` is small and served here too, so KServe and Triton clients work un
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -18,14 +17,11 @@ from .asgi_types import Receive, Scope, Send
 from .dispatch import in_background
 from .metrics import Observed
 from .oip_codec import parse_infer, render_infer
-from .pipeline import ApiError
+from .pipeline import After, ApiError
 from .routes import Route
 from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
-
-# Work that runs once the reply is sent (shadow copies).
-After = list[Coroutine[Any, Any, None]]
 
 SERVER_METADATA = orjson.dumps(
     {"name": "switchyard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
@@ -92,7 +88,7 @@ async def _handle(
     if rest == []:
         _allow(method, "GET")
         _, route = await pipeline.admit(state, authorization, name, version)
-        return 200, orjson.dumps(_metadata(route)), []
+        return 200, orjson.dumps(model_metadata(route)), []
     if rest == ["ready"]:
         _allow(method, "GET")
         _, route = await pipeline.admit(state, authorization, name, version)
@@ -116,31 +112,24 @@ async def _infer(
     header_length = _header(scope, b"inference-header-content-length")
     parsed = parse_infer(body, header_length, route)
     observed.mark("serialization")
-    routed = await pipeline.route_request(
+    routed, outputs = await pipeline.predict(
         state,
         identity,
         route,
         version is not None,
         lambda h: _header(scope, h.encode()),
-        parsed.id,
-    )
-    observed.arm = routed.arm
-    observed.mark("routing")
-    outputs = await pipeline.run_inference(
-        state, routed.route, parsed.names, parsed.arrays, parsed.outputs, observed
+        parsed,
+        observed,
+        after,
     )
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
     )
     observed.mark("serialization")
-    if routed.shadow_version_id is not None:
-        after.append(
-            pipeline.shadow_copy(state, identity, routed, parsed.names, parsed.arrays, outputs)
-        )
     return 200, payload, headers
 
 
-def _metadata(route: Route) -> dict[str, Any]:
+def model_metadata(route: Route) -> dict[str, Any]:
     return {
         "name": route.model_name,
         "versions": [str(route.version)],

@@ -7,25 +7,15 @@ with ``binary_data_size`` / ``binary_data`` parameters), which tritonclient uses
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
-from serving_agent.protocol import NUMPY_TO_OIP, OIP_TO_NUMPY
+from serving_agent.protocol import NUMPY_TO_OIP
 
-from .pipeline import ApiError, check_complete, check_tensor
+from .pipeline import ApiError, ParsedInfer, check_complete, check_input, check_tensor
 from .routes import Route
-
-
-@dataclass
-class ParsedInfer:
-    id: str | None
-    names: list[str]
-    arrays: list[np.ndarray]
-    outputs: list[str] | None  # None: all outputs
-    binary_outputs: set[str]
 
 
 def _load_json(raw: bytes) -> object:
@@ -81,25 +71,12 @@ def _parse_input(
     if not isinstance(name, str):
         raise ApiError(400, f"{where}.name: must be a string")
     where = f"inputs[{i}] ({name!r})"
-    spec = route.input(name)
-    if any(i.get("name") == name for i in seen):
-        raise ApiError(400, f"{where}.name: input {name!r} given twice")
-    if spec is None:
-        raise ApiError(
-            400,
-            f"{where}.name: unknown input {name!r}; the model takes "
-            f"{[s.name for s in route.inputs]}",
-        )
     shape = item.get("shape")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise ApiError(400, f"{where}.shape: must be a list of non-negative integers")
-    datatype = item.get("datatype")
-    if datatype not in OIP_TO_NUMPY:
-        raise ApiError(400, f"{where}.datatype: unsupported datatype {datatype!r}")
-    if datatype != spec.datatype:
-        raise ApiError(400, f"{where}.datatype: the model expects {spec.datatype}, got {datatype}")
+    spec = check_input(route, name, item.get("datatype"), where, [s.get("name") for s in seen])
     count = int(np.prod(shape, dtype=np.int64))
     params = item.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from platform_site.tokens import bearer
-from serving_agent.protocol import InferError, InferResult
+from serving_agent.protocol import OIP_TO_NUMPY, InferError, InferResult
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
@@ -24,12 +25,26 @@ from .state import GatewayState
 
 log = logging.getLogger(__name__)
 
+# Work that runs once the reply is sent (shadow copies).
+After = list[Coroutine[Any, Any, None]]
+
 
 @dataclass
 class ApiError(Exception):
     status: int
     message: str
     headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class ParsedInfer:
+    """An inference request as a codec (REST or gRPC) read it: what the pipeline runs."""
+
+    id: str | None
+    names: list[str]
+    arrays: list[np.ndarray]
+    outputs: list[str] | None  # None: all outputs
+    binary_outputs: set[str]  # REST only: outputs to send as binary data
 
 
 async def authenticate(state: GatewayState, authorization: str | None) -> KeyIdentity:
@@ -104,6 +119,27 @@ async def admit(
         observed.route = route
         observed.mark("routing")
     return identity, route
+
+
+def check_input(
+    route: Route, name: str, datatype: object, where: str, seen: list[str]
+) -> InputSpec:
+    """The signature's spec of one named input tensor, refusing a name given twice, a name the
+    model does not take and a datatype other than the model's (both codecs, REST and gRPC)."""
+    if name in seen:
+        raise ApiError(400, f"{where}.name: input {name!r} given twice")
+    spec = route.input(name)
+    if spec is None:
+        raise ApiError(
+            400,
+            f"{where}.name: unknown input {name!r}; the model takes "
+            f"{[s.name for s in route.inputs]}",
+        )
+    if datatype not in OIP_TO_NUMPY:
+        raise ApiError(400, f"{where}.datatype: unsupported datatype {datatype!r}")
+    if datatype != spec.datatype:
+        raise ApiError(400, f"{where}.datatype: the model expects {spec.datatype}, got {datatype}")
+    return spec
 
 
 def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
@@ -222,6 +258,29 @@ async def route_request(
         except DispatchError as exc:
             raise api_error(exc) from None
     return Routed(route, arm.name, split.plan_id, split.shadow_for(key))
+
+
+async def predict(
+    state: GatewayState,
+    identity: KeyIdentity,
+    route: Route,
+    explicit_version: bool,
+    header: Callable[[str], str | None],
+    parsed: ParsedInfer,
+    observed: Observed,
+    after: After,
+) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
+    """An admitted, parsed prediction: choose the arm, run it, and queue the shadow copy (if
+    the plan samples one) on ``after``, to run once the reply is sent."""
+    routed = await route_request(state, identity, route, explicit_version, header, parsed.id)
+    observed.arm = routed.arm
+    observed.mark("routing")
+    answer = await run_inference(
+        state, routed.route, parsed.names, parsed.arrays, parsed.outputs, observed
+    )
+    if routed.shadow_version_id is not None:
+        after.append(shadow_copy(state, identity, routed, parsed.names, parsed.arrays, answer))
+    return routed, answer
 
 
 async def shadow_copy(

@@ -16,7 +16,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from gateway import links  # noqa: E402
+from gateway import grpc_server, links  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.consumers import AgentConsumer  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
@@ -54,18 +54,20 @@ link_app = ProtocolTypeRouter(
 
 
 async def lifespan_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """Start this process's link address for agents (with several gateway processes); on
-    shutdown, close it and write what the prediction log still buffers."""
+    """Start this process's link address for agents (with several gateway processes) and its
+    gRPC server; on shutdown, close both and write what the prediction log still buffers."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             try:
                 await start_links()
+                await grpc_server.start()
             except Exception as exc:  # a start-up that cannot serve agents must say so
                 await send({"type": "lifespan.startup.failed", "message": repr(exc)})
                 return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            await grpc_server.stop()
             await stop_links()
             await flush_prediction_logs()
             await send({"type": "lifespan.shutdown.complete"})

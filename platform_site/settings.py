@@ -287,6 +287,10 @@ SWITCHYARD_AGENT_LINKS = env_bool("SWITCHYARD_AGENT_LINKS", bool(REDIS_URL))
 SWITCHYARD_LINK_HOST = env("SWITCHYARD_LINK_HOST", "127.0.0.1")
 SWITCHYARD_LINK_PORT = env_int("SWITCHYARD_LINK_PORT", 0)
 SWITCHYARD_LINK_ADVERTISE = env("SWITCHYARD_LINK_ADVERTISE", "")
+# The Open Inference Protocol v2 over gRPC (tritonclient.grpc, KServe's gRPC clients): each
+# server process serves it on this port too (0: off); several processes share it (SO_REUSEPORT).
+SWITCHYARD_GRPC_PORT = env_int("SWITCHYARD_GRPC_PORT", 8001)
+SWITCHYARD_GRPC_HOST = env("SWITCHYARD_GRPC_HOST", "0.0.0.0")
 # The gateway's database calls run on this many threads (each its own connection; 0: Channels'
 # one shared thread), and on PostgreSQL they give up waiting for a lock, or running, after
 # these many milliseconds: a locked control-plane table then costs only the requests that

@@ -82,6 +82,9 @@ def _base_env(var_dir: Path) -> dict[str, str]:
         LOG_LEVEL="INFO",
         SWITCHYARD_AGENT_STALE_S="30",
         DJANGO_SETTINGS_MODULE="platform_site.settings",
+        # Off unless a test asks (start_server's grpc_port): on the default port, parallel
+        # test servers would share it through SO_REUSEPORT and answer each other's calls.
+        SWITCHYARD_GRPC_PORT="0",
     )
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
@@ -205,10 +208,14 @@ SERVER_ARGS = {
 }
 
 
-def start_server(backend: Backend, kind: str, port: int, *extra: str) -> Proc:
-    """uvicorn or daphne on 127.0.0.1:port; returns once /v2/health/live answers."""
+def start_server(
+    backend: Backend, kind: str, port: int, *extra: str, grpc_port: int = 0
+) -> Proc:
+    """uvicorn or daphne on 127.0.0.1:port (and OIP v2 over gRPC on 127.0.0.1:grpc_port when
+    one is given); returns once /v2/health/live answers."""
     args = [PY, *SERVER_ARGS[kind].format(port=port).split(), *extra]
-    proc = Proc(kind, args, backend.env, backend.var_dir)
+    env = dict(backend.env, SWITCHYARD_GRPC_PORT=str(grpc_port), SWITCHYARD_GRPC_HOST="127.0.0.1")
+    proc = Proc(kind, args, env, backend.var_dir)
     wait_until(lambda: answers(f"http://127.0.0.1:{port}"), 30, proc)
     return proc
 

@@ -1,0 +1,234 @@
+"""Open Inference Protocol v2 over gRPC (KServe's ``grpc_predict_v2.proto``), served by a
+``grpc.aio`` server inside each ASGI process, on the same event loop and through the same
+pipeline and gateway state as the REST front door (``gateway/oip.py``).
+
+Handlers are registered under ``/inference.GRPCInferenceService/<Method>``, the paths Triton
+and KServe serve, whatever the package name of our copy of the proto (see its header).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+import orjson
+from django.conf import settings
+from google.protobuf.message import Message
+
+from . import grpc_codec, pipeline, tracing
+from .dispatch import in_background
+from .metrics import Observed
+from .oip import SERVER_METADATA, model_metadata
+from .pipeline import After, ApiError
+from .proto import grpc_predict_v2_pb2 as pb
+from .state import GatewayState, get_state
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+_SERVER = orjson.loads(SERVER_METADATA)
+
+Reply = TypeVar("Reply", bound=Message)
+Context: TypeAlias = grpc.aio.ServicerContext
+
+
+def _metadata(context: Context) -> dict[str, str]:
+    # Keys arrive lower-cased; a binary (-bin) value is bytes and names nothing we read.
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+async def _abort(context: Context, exc: ApiError, trailers: list[tuple[str, str]]) -> None:
+    context.set_trailing_metadata([*trailers, *grpc_codec.error_metadata(exc)])
+    await context.abort(grpc_codec.grpc_code(exc.status), exc.message)
+
+
+async def _answer(context: Context, work: Callable[[], Awaitable[Reply]]) -> Reply:
+    """Run a call that is not a prediction; a pipeline error becomes its gRPC status."""
+    try:
+        return await work()
+    except ApiError as exc:
+        await _abort(context, exc, [])
+    except Exception:
+        log.exception("unhandled error in a gRPC call")
+        await _abort(context, ApiError(500, "internal server error"), [])
+    raise AssertionError("abort raises")  # pragma: no cover
+
+
+async def server_live(request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+    return pb.ServerLiveResponse(live=True)
+
+
+async def server_ready(request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+    # The same answer as GET /v2/health/ready.
+    return pb.ServerReadyResponse(ready=get_state().serving_ready())
+
+
+async def server_metadata(
+    request: pb.ServerMetadataRequest, context: Context
+) -> pb.ServerMetadataResponse:
+    # binary_tensor_data is a REST extension: gRPC carries raw tensors natively.
+    return pb.ServerMetadataResponse(name=_SERVER["name"], version=_SERVER["version"])
+
+
+async def model_ready(request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+    async def work() -> pb.ModelReadyResponse:
+        state = get_state()
+        authorization = _metadata(context).get("authorization")
+        _, route = await pipeline.admit(state, authorization, request.name, request.version)
+        return pb.ModelReadyResponse(ready=state.pool.is_ready(route.version_id))
+
+    return await _answer(context, work)
+
+
+async def model_metadata_call(
+    request: pb.ModelMetadataRequest, context: Context
+) -> pb.ModelMetadataResponse:
+    async def work() -> pb.ModelMetadataResponse:
+        state = get_state()
+        authorization = _metadata(context).get("authorization")
+        _, route = await pipeline.admit(state, authorization, request.name, request.version)
+        doc = model_metadata(route)  # the REST answer's fields, tensors reduced to the proto's
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=doc["name"],
+            versions=doc["versions"],
+            platform=doc["platform"],
+            inputs=[
+                tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                for t in doc["inputs"]
+            ],
+            outputs=[
+                tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                for t in doc["outputs"]
+            ],
+        )
+
+    return await _answer(context, work)
+
+
+async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    state = get_state()
+    metadata = _metadata(context)
+    try:
+        trace = tracing.start_trace(metadata.get("x-request-id"), metadata.get("traceparent"))
+    except tracing.BadRequestId as exc:
+        await _abort(context, ApiError(400, str(exc)), [])
+    tracing.current.set(trace)  # this call's task only: its log records carry the ids
+    observed = Observed(trace)
+    observed.predicting = True
+    after: After = []
+    error: ApiError | None = None
+    try:
+        reply = await _infer(state, request, metadata, observed, after)
+    except ApiError as exc:
+        error = exc
+    except Exception:
+        log.exception("unhandled error in ModelInfer")
+        error = ApiError(500, "internal server error")
+    state.observe(observed, 200 if error is None else error.status)
+    for coro in after:
+        in_background(coro)
+    if error is not None:
+        await _abort(context, error, trace.headers())
+    context.set_trailing_metadata(trace.headers())
+    return reply
+
+
+async def _infer(
+    state: GatewayState,
+    request: pb.ModelInferRequest,
+    metadata: dict[str, str],
+    observed: Observed,
+    after: After,
+) -> pb.ModelInferResponse:
+    version = request.model_version or None
+    identity, route = await pipeline.admit(
+        state, metadata.get("authorization"), request.model_name, version, observed
+    )
+    parsed = grpc_codec.parse_infer(request, route)
+    # Hook: REST hands no request parameters to the pipeline yet; when it does (priority,
+    # timeout), this dict goes to the same function. Checked already, so a malformed one fails.
+    grpc_codec.request_parameters(request.parameters)
+    observed.mark("serialization")
+    routed, outputs = await pipeline.predict(
+        state,
+        identity,
+        route,
+        version is not None,
+        lambda name: metadata.get(name.lower()),
+        parsed,
+        observed,
+        after,
+    )
+    reply = grpc_codec.render_infer(
+        routed.route, parsed.id, outputs, bool(request.raw_input_contents), routed.arm
+    )
+    observed.mark("serialization")
+    return reply
+
+
+def _unary(
+    handler: Callable[[Any, Context], Awaitable[Message]], request: type[Message]
+) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        handler,
+        request_deserializer=request.FromString,
+        response_serializer=lambda reply: reply.SerializeToString(),
+    )
+
+
+HANDLERS = {
+    "ServerLive": _unary(server_live, pb.ServerLiveRequest),
+    "ServerReady": _unary(server_ready, pb.ServerReadyRequest),
+    "ModelReady": _unary(model_ready, pb.ModelReadyRequest),
+    "ServerMetadata": _unary(server_metadata, pb.ServerMetadataRequest),
+    "ModelMetadata": _unary(model_metadata_call, pb.ModelMetadataRequest),
+    "ModelInfer": _unary(model_infer, pb.ModelInferRequest),
+}
+
+
+async def start_server(host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
+    """A started server on ``host:port`` (port 0: a free one) and the port it bound.
+
+    ``so_reuseport``: every uvicorn worker binds the same port and the kernel spreads the
+    connections between them, as it does for the HTTP port.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            # Larger requests are refused by gRPC itself with RESOURCE_EXHAUSTED, as REST
+            # refuses a larger body with 413.
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, HANDLERS),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound
+
+
+_servers: list[grpc.aio.Server] = []
+
+
+async def start() -> int | None:
+    """Start this process's gRPC server (``SWITCHYARD_GRPC_PORT``; 0 leaves it off), on the
+    running event loop, which then is the loop its calls' gateway state belongs to."""
+    port = settings.SWITCHYARD_GRPC_PORT
+    if not port:
+        return None
+    get_state()  # the loop's state (and its refresh loop) before the first call needs it
+    server, bound = await start_server(
+        settings.SWITCHYARD_GRPC_HOST, port, settings.SWITCHYARD_MAX_BODY_BYTES
+    )
+    _servers.append(server)
+    log.info("Open Inference Protocol v2 over gRPC on %s:%s", settings.SWITCHYARD_GRPC_HOST, bound)
+    return bound
+
+
+async def stop(grace_s: float = 5.0) -> None:
+    """Finish the calls in flight (for up to ``grace_s``), then close."""
+    while _servers:
+        await _servers.pop().stop(grace_s)
