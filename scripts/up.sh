@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 PORT="${PORT:-8000}"
 # honcho hands every process its own $PORT, so the platform's port travels under another name.
 export SWITCHYARD_PORT="$PORT"
+# OIP v2 over gRPC: every web worker serves it on this port too (SO_REUSEPORT), on loopback
+# like the HTTP port.
+export SWITCHYARD_GRPC_PORT="${SWITCHYARD_GRPC_PORT:-8001}"
+export SWITCHYARD_GRPC_HOST="${SWITCHYARD_GRPC_HOST:-127.0.0.1}"
 PY=.venv/bin/python
 
 $PY manage.py migrate --noinput -v0
@@ -25,6 +29,7 @@ cat <<MSG
   API docs:   http://127.0.0.1:${PORT}/api/docs/
   Demo key:   $(get api_key)
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
+  gRPC:       ${SWITCHYARD_GRPC_HOST}:${SWITCHYARD_GRPC_PORT}   (OIP v2: tritonclient.grpc, KServe clients)
 
 MSG
 # With Redis, several gateway processes share agents (each agent links to every one of them),

@@ -243,6 +243,12 @@ def test_web_service_probes_and_storage():
     service = _find("Service", "switchyard-web")
     assert service["spec"]["selector"] == web["spec"]["selector"]["matchLabels"]
     assert service["spec"]["ports"][0]["port"] == 80  # the agents' --platform http://switchyard-web
+    # OIP v2 over gRPC on the gateway's default port (SWITCHYARD_GRPC_PORT), in the pod, on the
+    # Service and in the image.
+    assert {"name": "grpc", "containerPort": 8001, "protocol": "TCP"} in container["ports"]
+    grpc_service = {"name": "grpc", "port": 8001, "targetPort": "grpc", "protocol": "TCP"}
+    assert grpc_service in service["spec"]["ports"]
+    assert "EXPOSE 8000 8001" in (ROOT / "Dockerfile").read_text()
     # The agents reach Django (artifact downloads) under the Service's name.
     hosts = _find("ConfigMap", "switchyard-config")["data"]["ALLOWED_HOSTS"].split(",")
     assert "switchyard-web" in hosts
