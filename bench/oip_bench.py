@@ -81,6 +81,17 @@ def run_wrk(url: str, connections: int, seconds: int, key: str, body: str) -> di
     return json.loads(line[6:])
 
 
+def run_grpc(address: str, connections: int, seconds: int, key: str) -> dict:
+    """bench/grpc_load.py on CPU 1 (as wrk): ``connections`` concurrent gRPC streams."""
+    args = ["taskset", "-c", "1", PY, str(ROOT / "bench" / "grpc_load.py"), "--address", address]
+    args += ["--key", key, "--concurrency", str(connections), "--seconds", str(seconds)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if line is None:
+        raise RuntimeError(f"grpc_load.py failed:\n{out.stdout}\n{out.stderr}")
+    return json.loads(line[6:])
+
+
 def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float]:
     """ONNX Runtime called directly, one thread: (batch-1 requests/s, batch-64 items/s)."""
     import onnxruntime as ort
@@ -100,7 +111,8 @@ def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float
     return rates[0], rates[1]
 
 
-# id -> (label, server, path, hop, workers): the OIP v2 path under both servers, the DRF
+# id -> (label, server, path, hop, workers): the OIP v2 path under both servers and over
+# gRPC (bench/grpc_load.py instead of wrk, same model and CPUs), the DRF
 # prediction API, two gateway processes (``uvicorn --workers 2``, the agent holding a data link to
 # each), and the Redis hop: a second uvicorn process that holds no agent (data links off) takes
 # the load, so every request crosses the Redis channel layer to the process holding the agent.
@@ -111,6 +123,7 @@ CASES = {
     "drf": ("uvicorn, DRF prediction API", "uvicorn", "predict", False, 1),
     "redis-hop": ("uvicorn, via Redis to another process", "uvicorn", "oip", True, 1),
     "canary": ("uvicorn, canary plan 50/50", "uvicorn", "oip", False, 1),
+    "grpc": ("uvicorn, OIP v2 over gRPC", "uvicorn", "grpc", False, 1),
 }
 # Registers the demo artifact again as version 2 and starts a 50 % canary towards it.
 START_CANARY = """
@@ -187,6 +200,9 @@ def main() -> None:
             env = {**backend.env, "LOG_LEVEL": "WARNING"}
             if hop:  # no data links, so the front process must go through Redis
                 env["SWITCHYARD_AGENT_LINKS"] = "0"
+            grpc_address = f"127.0.0.1:{free_port()}"
+            if kind == "grpc":
+                env["SWITCHYARD_GRPC_HOST"], env["SWITCHYARD_GRPC_PORT"] = grpc_address.split(":")
             cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=port).split()]
             if workers > 1:
                 cmd += ["--workers", str(workers)]
@@ -215,11 +231,15 @@ def main() -> None:
                 front_ready = f"{url}/v2/models/fraud-detector/ready"
                 wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
             for connections in (int(c) for c in args.connections.split(",")):
-                target = url + paths[kind]
-                run_wrk(target, connections, args.warmup, key, bodies[kind])
+                if kind == "grpc":
+                    measure = partial(run_grpc, grpc_address, connections, key=key)
+                else:
+                    target = url + paths[kind]
+                    measure = partial(run_wrk, target, connections, key=key, body=bodies[kind])
+                measure(seconds=args.warmup)
                 pids = [*(p.popen.pid for p in servers), agent.popen.pid, redis.pid]
                 before = sum(cpu_seconds(p) for p in pids)
-                result = run_wrk(target, connections, args.seconds, key, bodies[kind])
+                result = measure(seconds=args.seconds)
                 used = sum(cpu_seconds(p) for p in pids) - before
                 seconds = result["duration_us"] / 1e6
                 rows.append(
@@ -273,7 +293,8 @@ def _table(rows: list[dict], single: float, batched: float) -> str:
     head = (
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.node()} "
         f"({os.cpu_count()} CPUs): demo fraud MLP (32→256→256→2), one item per request, "
-        "PostgreSQL + Redis, server-side processes on CPU 0, wrk on CPU 1.\n\n"
+        "PostgreSQL + Redis, server-side processes on CPU 0, wrk (gRPC: bench/grpc_load.py) on "
+        "CPU 1.\n\n"
         "| case | connections | req/s | p50 ms | p99 ms | server CPU ms/req | errors |\n"
         "| --- | --- | --- | --- | --- | --- | --- |\n"
     )
