@@ -26,6 +26,7 @@ from gateway.dispatch import AgentLink
 from gateway.state import GatewayState
 from serving_agent._serving import result_frame
 from serving_agent.protocol import InferRequest, decode_frame, unpack_frames
+from tests.e2e.harness import free_port
 from tests.factories import make_key, make_model, make_tenant, make_version
 
 # The handlers run in tasks gRPC starts, outside the test's context, so the gateway's database
@@ -321,3 +322,21 @@ def test_a_client_error_from_tritonclient_carries_the_status(site):
     exc = serve(site, scenario)
     assert exc.status() == "StatusCode.UNAUTHENTICATED"
     assert "invalid or revoked API key" in exc.message()
+
+
+def test_the_port_setting_starts_the_server_or_leaves_it_off(settings, site):
+    settings.SWITCHYARD_GRPC_HOST = "127.0.0.1"
+
+    async def start() -> tuple[int | None, bool]:
+        bound = await grpc_server.start()
+        live = False
+        if bound is not None:
+            async with triton_aio.InferenceServerClient(f"127.0.0.1:{bound}") as client:
+                live = await client.is_server_live()
+        await grpc_server.stop()
+        return bound, live
+
+    settings.SWITCHYARD_GRPC_PORT = 0
+    assert async_to_sync(start)() == (None, False)
+    settings.SWITCHYARD_GRPC_PORT = free_port()
+    assert async_to_sync(start)() == (settings.SWITCHYARD_GRPC_PORT, True)

@@ -208,9 +208,7 @@ SERVER_ARGS = {
 }
 
 
-def start_server(
-    backend: Backend, kind: str, port: int, *extra: str, grpc_port: int = 0
-) -> Proc:
+def start_server(backend: Backend, kind: str, port: int, *extra: str, grpc_port: int = 0) -> Proc:
     """uvicorn or daphne on 127.0.0.1:port (and OIP v2 over gRPC on 127.0.0.1:grpc_port when
     one is given); returns once /v2/health/live answers."""
     args = [PY, *SERVER_ARGS[kind].format(port=port).split(), *extra]
