@@ -12,6 +12,7 @@ same ``measure()``. Run: ``make bench`` (or ``bash bench/run.sh``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -191,6 +192,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
     redis, redis_port = start_redis()
+    atexit.register(redis.terminate)  # also when the set-up below fails
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     backend = services_backend(tmp)

@@ -85,6 +85,12 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def version(package: str) -> str:
+    """The version pinned in ``VENVS``, for the rows' labels."""
+    pins = (pin.split("==") for steps in VENVS.values() for step in steps for pin in step)
+    return next(v for name, v in pins if name == package)
+
+
 def ensure_venv(name: str) -> Path:
     """The venv's bin folder, made (or remade) when its recorded pins differ from ``VENVS``."""
     venv = ROOT / "bench" / name
@@ -124,9 +130,8 @@ def start_kserve(model_path: Path, tmp: Path) -> Peer:
         f"--http_port={port}",
     ]
     proc = Proc("kserve", cmd, _env(bin_dir, KSERVE_LOGLEVEL="WARNING"), tmp)
-    return Peer(
-        "KServe 0.21.0 model server", f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc]
-    )
+    label = f"KServe {version('kserve')} model server"
+    return Peer(label, f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc])
 
 
 def torchserve_config(store: Path, ports: tuple[int, int, int]) -> str:
@@ -197,9 +202,8 @@ def start_torchserve(model_path: Path, tmp: Path) -> Peer:
     logs = str(home / "logs")
     env = _env(bin_dir, LOG_LOCATION=logs, METRICS_LOCATION=logs)
     proc = Proc("torchserve", cmd, env, tmp)
-    label = (
-        f"TorchServe 0.12.0, batching {TORCHSERVE_BATCH_SIZE} / {TORCHSERVE_MAX_BATCH_DELAY_MS} ms"
-    )
+    batching = f"{TORCHSERVE_BATCH_SIZE} / {TORCHSERVE_MAX_BATCH_DELAY_MS} ms"
+    label = f"TorchServe {version('torchserve')}, batching {batching}"
     return Peer(label, f"http://127.0.0.1:{ports[0]}/predictions/{MODEL}", [proc])
 
 
@@ -231,7 +235,8 @@ def start_mlserver(model_path: Path, tmp: Path) -> Peer:
     (model_dir / "model-settings.json").write_text(json.dumps(model_settings))
     cmd = ["taskset", "-c", "0", str(bin_dir / "mlserver"), "start", str(home)]
     proc = Proc("mlserver", cmd, _env(bin_dir, MLSERVER_LOGGING_LEVEL="WARNING"), tmp)
-    return Peer("MLServer 1.7.1", f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc])
+    label = f"MLServer {version('mlserver')}"
+    return Peer(label, f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc])
 
 
 PEERS: dict[str, Callable[[Path, Path], Peer]] = {
