@@ -89,10 +89,11 @@ def run_wrk(url: str, connections: int, seconds: int, key: str, body: str) -> di
 def measure(
     label: str, url: str, key: str, body: str, pids: list[int], args: argparse.Namespace
 ) -> list[dict]:
-    """One row per connection count, measured the same way for every case and peer: an unmeasured
-    run at 1 connection first (the first 1-connection point after a start ran slow), then at each
-    count a warm-up and a measured run, with the CPU of ``pids`` and their children over it."""
-    run_wrk(url, 1, args.warmup, key, body)
+    """One row per connection count, measured the same way for every case and peer: a full-length
+    unmeasured run at 1 connection first (the first 1-connection point after a start ran slow),
+    then at each count a warm-up and a measured run, with the CPU of ``pids`` and their children
+    over it."""
+    run_wrk(url, 1, args.seconds, key, body)
     rows = []
     for connections in (int(c) for c in args.connections.split(",")):
         run_wrk(url, connections, args.warmup, key, body)
