@@ -8,6 +8,7 @@ Runtime on the version's artifact; the real processes are in tests/e2e/test_pred
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -80,28 +81,46 @@ def served(world, state, onnx_bytes):
     return world
 
 
-def post(
-    body: bytes | dict | list,
-    key: str | None = None,
-    path: str = URL,
-    content_type: str | None = "application/json",
-    headers: list[tuple[bytes, bytes]] | None = None,
-    method: str = "POST",
-) -> tuple[int, dict[str, str], dict]:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    sent = list(headers or [])
-    if key is not None:
-        sent.append((b"authorization", f"Bearer {key}".encode()))
-    if content_type is not None:
-        sent.append((b"content-type", content_type.encode()))
+@dataclass
+class Call:
+    """One request to the ASGI application."""
 
-    async def scenario():
-        communicator = HttpCommunicator(application, method, path, body=raw, headers=sent)
-        return await communicator.get_response(timeout=10)
+    body: bytes | dict | list
+    key: str | None = None
+    path: str = URL
+    content_type: str | None = "application/json"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    method: str = "POST"
 
-    response = async_to_sync(scenario)()
+
+Reply = tuple[int, dict[str, str], dict]
+
+
+async def send(call: Call) -> Reply:
+    raw = call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
+    sent = list(call.headers)
+    if call.key is not None:
+        sent.append((b"authorization", f"Bearer {call.key}".encode()))
+    if call.content_type is not None:
+        sent.append((b"content-type", call.content_type.encode()))
+    communicator = HttpCommunicator(application, call.method, call.path, body=raw, headers=sent)
+    response = await communicator.get_response(timeout=10)
     got = {k.decode().lower(): v.decode() for k, v in response["headers"]}
     return response["status"], got, json.loads(response["body"])
+
+
+def calls(*requests: Call) -> list[Reply]:
+    """The replies to ``requests``, sent one after the other on one event loop (as a server
+    has: the Redis limiter's connections belong to the loop that opened them)."""
+
+    async def scenario() -> list[Reply]:
+        return [await send(call) for call in requests]
+
+    return async_to_sync(scenario)()
+
+
+def post(body: bytes | dict | list, key: str | None = None, **details) -> Reply:
+    return calls(Call(body, key, **details))[0]
 
 
 def expected(artifact: bytes, x: np.ndarray) -> np.ndarray:
@@ -116,31 +135,35 @@ def test_named_features_rows_and_columns_all_get_the_models_answer(served, onnx_
     x = rng.normal(size=(3, 4)).astype(np.float32)
     want = expected(onnx_bytes, x)
     named = [dict(zip(FEATURES, row, strict=True)) for row in x.tolist()]
-    for body in ({"instances": named}, {"instances": x.tolist()}, {"inputs": {"x": x.tolist()}}):
-        status, headers, answer = post(body, served.key_a)
+    bodies = [{"instances": named}, {"instances": x.tolist()}, {"inputs": {"x": x.tolist()}}]
+    replies = calls(
+        *(Call(body, served.key_a) for body in bodies),
+        Call({"instances": x.tolist()}, served.key_a, "/api/v1/models/clf/versions/1/predict"),
+    )
+    for status, headers, answer in replies[:3]:
         assert status == 200, answer
         assert (answer["model"], answer["version"]) == ("clf", 1)
         np.testing.assert_allclose(answer["predictions"], want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(answer["outputs"]["y"], want, rtol=1e-5, atol=1e-6)
         assert headers["content-type"] == "application/json"
         assert headers["traceparent"].startswith("00-") and headers["x-request-id"]
-    by_version = post(
-        {"instances": x.tolist()}, served.key_a, "/api/v1/models/clf/versions/1/predict"
-    )
+    by_version = replies[3]
     assert by_version[0] == 200 and by_version[2]["version"] == 1
 
 
 def test_the_callers_request_id_and_charset_are_kept(served):
     row = {"instances": [[0.1, 0.2, 0.3, 0.4]]}
-    status, headers, _ = post(
-        row,
-        served.key_a,
-        content_type="application/json; charset=utf-8",
-        headers=[(b"x-request-id", b"order-17")],
+    kept, refused = calls(
+        Call(
+            row,
+            served.key_a,
+            content_type="application/json; charset=utf-8",
+            headers=[(b"x-request-id", b"order-17")],
+        ),
+        Call(row, served.key_a, headers=[(b"x-request-id", b"no spaces allowed")]),
     )
-    assert status == 200 and headers["x-request-id"] == "order-17"
-    status, _, body = post(row, served.key_a, headers=[(b"x-request-id", b"no spaces allowed")])
-    assert status == 400 and "x-request-id" in body["error"]
+    assert kept[0] == 200 and kept[1]["x-request-id"] == "order-17"
+    assert refused[0] == 400 and "x-request-id" in refused[2]["error"]
 
 
 def test_a_body_without_a_content_type_is_read_as_json(served):
@@ -153,20 +176,22 @@ def test_a_body_without_a_content_type_is_read_as_json(served):
 
 def test_missing_and_invalid_keys_get_401_with_www_authenticate(served):
     row = {"instances": [[0.1, 0.2, 0.3, 0.4]]}
-    status, headers, body = post(row)
+    (status, headers, body), unknown = calls(Call(row), Call(row, "sy_deadbeef_nope"))
     assert status == 401 and "missing API key" in body["error"]
     assert headers["www-authenticate"] == "Bearer"
-    status, _, body = post(row, "sy_deadbeef_nope")
-    assert status == 401 and "invalid or revoked" in body["error"]
+    assert unknown[0] == 401 and "invalid or revoked" in unknown[2]["error"]
 
 
 def test_other_tenant_gets_404_and_so_do_unknown_models_and_versions(served):
     row = {"instances": [[0.1, 0.2, 0.3, 0.4]]}
-    status, _, body = post(row, served.key_b)
-    assert status == 404 and "not found" in body["error"]
-    assert post(row, served.key_b, "/api/v1/models/clf/versions/1/predict")[0] == 404
-    assert post(row, served.key_a, "/api/v1/models/nope/predict")[0] == 404
-    assert post(row, served.key_a, "/api/v1/models/clf/versions/9/predict")[0] == 404
+    replies = calls(
+        Call(row, served.key_b),
+        Call(row, served.key_b, "/api/v1/models/clf/versions/1/predict"),
+        Call(row, served.key_a, "/api/v1/models/nope/predict"),
+        Call(row, served.key_a, "/api/v1/models/clf/versions/9/predict"),
+    )
+    assert [status for status, _, _ in replies] == [404] * 4
+    assert "not found" in replies[0][2]["error"]  # as for a model that does not exist
     assert served.agent.requests == []
 
 
@@ -239,7 +264,7 @@ def test_a_tenant_past_its_rate_limit_gets_429_with_retry_after(served, state, o
     version = make_version(make_model(slow, "clf"), onnx_bytes)
     state.pool.set_ready(served.agent.link, version.pk, True)
     key = make_key(slow)[1]
-    answers = [post({"instances": [[0, 0, 0, 0]]}, key) for _ in range(6)]
+    answers = calls(*[Call({"instances": [[0, 0, 0, 0]]}, key)] * 6)
     statuses = [status for status, _, _ in answers]
     assert statuses[0] == 200 and 429 in statuses, statuses
     status, headers, body = next(a for a in answers if a[0] == 429)
@@ -291,10 +316,12 @@ def test_the_drf_view_answers_as_the_lean_app_does(served):
             URL, row, content_type="application/json", headers={"Authorization": f"Bearer {key}"}
         )
 
-    answered = async_to_sync(through_django)(served.key_a)
-    status, _, lean = post(row, served.key_a)
+    async def scenario():
+        lean = await send(Call(row, served.key_a))
+        return lean, await through_django(served.key_a), await through_django(served.key_b)
+
+    (status, _, lean), answered, refused = async_to_sync(scenario)()
     assert answered.status_code == status == 200, answered.content
     assert answered.json() == lean
     assert answered["x-request-id"] and answered["traceparent"]
-    refused = async_to_sync(through_django)(served.key_b)
     assert refused.status_code == 404 and "not found" in refused.json()["error"]
