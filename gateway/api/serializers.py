@@ -7,6 +7,7 @@ One definition for both: ``gateway.api.predict_app`` validates each request with
 
 from __future__ import annotations
 
+from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
 
@@ -31,8 +32,13 @@ class PredictResponse(serializers.Serializer):
     )
 
 
-class ErrorResponse(serializers.Serializer):
-    error = serializers.CharField(help_text="What is wrong, naming the field when one is.")
-    fields = serializers.DictField(
-        required=False, help_text="Per-field problems, when the body failed validation."
-    )
+# Built from a dict: a serializer cannot declare a field named ``fields`` (its own attribute).
+ErrorResponse = inline_serializer(
+    "ErrorResponse",
+    fields={
+        "error": serializers.CharField(help_text="What is wrong, naming the field when one is."),
+        "fields": serializers.DictField(
+            required=False, help_text="Per-field problems, when the body failed validation."
+        ),
+    },
+)
