@@ -5,6 +5,8 @@ dispatch. Each step raises ``ApiError`` with the status and a message that names
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -13,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from platform_site.tokens import bearer
-from serving_agent.protocol import InferError, InferResult
+from serving_agent.protocol import INTERACTIVE, PRIORITY_CLASSES, SHADOW, InferError, InferResult
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
-from .dispatch import DispatchError, status_of
+from .dispatch import RETRY_STATUSES, DispatchError, status_of
 from .metrics import Observed
 from .routes import InputSpec, Route, RouteMissing
 from .state import GatewayState
@@ -106,6 +108,92 @@ async def admit(
     return identity, route
 
 
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """How the agent schedules a request: its priority class (an index of
+    ``PRIORITY_CLASSES``, 0 best) and its budget in ms (the gateway waits that long, and the
+    agent drops it unrun once that much has passed since it arrived there)."""
+
+    priority: int
+    budget_ms: float
+
+
+TIMEOUT_HEADER = "x-switchyard-timeout-ms"
+_HEADER_MS = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,3})?$")
+
+
+def schedule(
+    state: GatewayState,
+    identity: KeyIdentity,
+    parameters: object = None,
+    timeout_header: str | None = None,
+) -> Schedule:
+    """The schedule a request asks for, within what its key allows. Every front door calls it.
+
+    ``parameters``: the request's parameters object (OIP's request ``parameters``), read for
+    ``priority`` (a class name, or Triton's integers: 1 best .. 4, 0 the key's default) and
+    ``timeout`` (microseconds, as Triton). ``timeout_header``: the value of the
+    ``x-switchyard-timeout-ms`` header, if sent. Without either, the key's priority and the
+    server's timeout; a timeout is capped at the server's. A value that cannot be read is a 400;
+    a priority above the key's (its ceiling) a 403.
+    """
+    params = parameters if parameters is not None else {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "parameters: must be an object")
+    priority = _priority(params.get("priority"), identity.priority)
+    if priority < identity.priority:
+        raise ApiError(
+            403,
+            f"parameters.priority: {PRIORITY_CLASSES[priority]!r} is above what this API key "
+            f"may ask for ({PRIORITY_CLASSES[identity.priority]!r})",
+        )
+    budget_ms = state.infer_timeout * 1000
+    timeout_us = params.get("timeout")
+    if timeout_us is not None:
+        if (
+            isinstance(timeout_us, bool)
+            or not isinstance(timeout_us, int | float)
+            or not math.isfinite(timeout_us)
+            or timeout_us <= 0
+        ):
+            raise ApiError(
+                400,
+                f"parameters.timeout: must be a positive number of microseconds, got "
+                f"{timeout_us!r}",
+            )
+        budget_ms = min(budget_ms, timeout_us / 1000)
+    if timeout_header is not None:
+        value = timeout_header.strip()
+        if not _HEADER_MS.match(value) or float(value) <= 0:
+            raise ApiError(
+                400,
+                f"{TIMEOUT_HEADER}: must be a positive number of milliseconds, got "
+                f"{timeout_header[:40]!r}",
+            )
+        budget_ms = min(budget_ms, float(value))
+    return Schedule(priority, budget_ms)
+
+
+def _priority(asked: object, default: int) -> int:
+    if asked is None:
+        return default
+    if isinstance(asked, str) and asked in PRIORITY_CLASSES:
+        return PRIORITY_CLASSES.index(asked)
+    if isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked <= 4:
+        return default if asked == 0 else asked - 1
+    raise ApiError(
+        400,
+        f"parameters.priority: must be one of {', '.join(PRIORITY_CLASSES)}, or an integer "
+        f"0-4 (1 best, 0 the key's default); got {str(asked)[:40]!r}",
+    )
+
+
+def default_schedule(state: GatewayState, identity: KeyIdentity | None = None) -> Schedule:
+    """The key's priority (interactive without a key) and the server's timeout."""
+    priority = identity.priority if identity is not None else INTERACTIVE
+    return Schedule(priority, state.infer_timeout * 1000)
+
+
 def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
     """Refuse a tensor the version's signature does not accept."""
     if len(array.shape) != len(spec.shape) or any(
@@ -143,11 +231,18 @@ async def run_inference(
     arrays: list[np.ndarray],
     outputs: list[str] | None = None,
     observed: Observed | None = None,
+    *,
+    tenant_id: int = 0,
+    sched: Schedule | None = None,
 ) -> list[tuple[str, np.ndarray]]:
     """Dispatch to an agent and return (name, array) per output, in the agent's order.
 
+    ``tenant_id`` and ``sched`` (see ``schedule``; the server's default without one) go on the
+    frame: the agent queues the request by class and tenant, and drops it past its budget.
     Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
     """
+    if sched is None:
+        sched = default_schedule(state)
     started = time.perf_counter()
     if observed is not None:
         observed.route = route
@@ -159,15 +254,17 @@ async def run_inference(
             names,
             arrays,
             outputs,
-            state.infer_timeout,
+            sched.budget_ms / 1000,
             observed.trace.traceparent if observed is not None else "",
+            tenant=tenant_id,
+            priority=sched.priority,
         )
     except DispatchError as exc:
         if observed is not None:
             observed.mark("dispatch")
         state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
         raise api_error(exc) from None
-    ok = not isinstance(reply, InferError) or reply.code == "bad_input"
+    ok = not isinstance(reply, InferError) or status_of(reply) < 500
     state.traffic.record(route.version_id, time.perf_counter() - started, ok)
     if observed is not None:
         observed.mark("dispatch")
@@ -175,7 +272,7 @@ async def run_inference(
             observed.agent_times(reply.queue_ms, reply.compute_ms)
     if isinstance(reply, InferError):
         status = status_of(reply)
-        retry = [("Retry-After", "1")] if status == 503 else []
+        retry = [("Retry-After", "1")] if status in RETRY_STATUSES else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
     answer = [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
@@ -234,13 +331,17 @@ async def shadow_copy(
 ) -> None:
     """Run the shadow version on the same input after the reply; compare, never return.
 
-    Not rate-limited: shadows never count against the tenant's quota.
+    Not rate-limited: shadows never count against the tenant's quota. It travels in the
+    ``shadow`` class, which agents serve last and shed first.
     """
     # Only a rollout plan sends shadow copies, and route_request sets both from it.
     assert routed.shadow_version_id is not None and routed.plan_id is not None
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
-        result = await run_inference(state, route, names, arrays)
+        sched = Schedule(SHADOW, state.infer_timeout * 1000)
+        result = await run_inference(
+            state, route, names, arrays, tenant_id=identity.tenant_id, sched=sched
+        )
     except (ApiError, RouteMissing, DispatchError) as exc:
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
         answered, agreed, failed = 0, 0, 1
