@@ -250,6 +250,7 @@ class AgentPool:
         trace: str = "",
         *,
         tenant: int = 0,
+        key: int = 0,
         priority: int = INTERACTIVE,
     ) -> AgentReply:
         """Send one request to an agent serving the version and wait for its reply.
@@ -268,6 +269,7 @@ class AgentPool:
                 outputs=outputs,
                 trace=trace,
                 tenant=tenant,
+                key=key,
                 priority=priority,
                 budget_ms=round(timeout * 1000, 3),
             ),

@@ -143,7 +143,7 @@ async def _infer(
             parsed.arrays,
             parsed.outputs,
             observed,
-            tenant_id=identity.tenant_id,
+            identity=identity,
             sched=sched,
         )
     except asyncio.CancelledError:

@@ -232,17 +232,18 @@ async def run_inference(
     outputs: list[str] | None = None,
     observed: Observed | None = None,
     *,
-    tenant_id: int = 0,
+    identity: KeyIdentity | None = None,
     sched: Schedule | None = None,
 ) -> list[tuple[str, np.ndarray]]:
     """Dispatch to an agent and return (name, array) per output, in the agent's order.
 
-    ``tenant_id`` and ``sched`` (see ``schedule``; the server's default without one) go on the
-    frame: the agent queues the request by class and tenant, and drops it past its budget.
+    The caller (``identity``'s tenant and key) and ``sched`` (see ``schedule``; the key's
+    class and the server's timeout without one) go on the frame: the agent queues the request
+    by class, shares the version fairly between callers, and drops it past its budget.
     Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
     """
     if sched is None:
-        sched = default_schedule(state)
+        sched = default_schedule(state, identity)
     started = time.perf_counter()
     if observed is not None:
         observed.route = route
@@ -256,7 +257,8 @@ async def run_inference(
             outputs,
             sched.budget_ms / 1000,
             observed.trace.traceparent if observed is not None else "",
-            tenant=tenant_id,
+            tenant=identity.tenant_id if identity is not None else 0,
+            key=identity.key_id if identity is not None else 0,
             priority=sched.priority,
         )
     except DispatchError as exc:
@@ -339,9 +341,7 @@ async def shadow_copy(
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         sched = Schedule(SHADOW, state.infer_timeout * 1000)
-        result = await run_inference(
-            state, route, names, arrays, tenant_id=identity.tenant_id, sched=sched
-        )
+        result = await run_inference(state, route, names, arrays, identity=identity, sched=sched)
     except (ApiError, RouteMissing, DispatchError) as exc:
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
         answered, agreed, failed = 0, 0, 1

@@ -1,4 +1,4 @@
-"""Dynamic batching and scheduling: per version, queues by priority class and tenant, requests
+"""Dynamic batching and scheduling: per version, queues by priority class and caller, requests
 merged along axis 0 into model runs."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ class BatchSizes:
 
 
 # Shadow copies may hold at most this fraction of a version's queue: they are the platform's
-# own extra work and must never crowd out a tenant's requests.
+# own extra work and must never crowd out a caller's requests.
 SHADOW_SHARE = 8
 
 # Requests can be concatenated only when all their non-batch dims and dtypes agree.
@@ -52,7 +53,7 @@ class SchedCounts:
 
     expired: int = 0  # past their deadline before compute
     cancelled: int = 0  # their caller gave up while they were queued
-    shed: int = 0  # refused or evicted for load (tenant share, shadow cap, full queue)
+    shed: int = 0  # refused or evicted for load (caller share, shadow cap, full queue)
 
 
 @dataclass(slots=True, eq=False)
@@ -64,7 +65,7 @@ class _Pending:
     queued: float = 0.0  # perf_counter() when it was queued
     queue_s: float = 0.0  # set when its batch runs: waited, and the run's duration
     compute_s: float = 0.0
-    tenant: int = 0
+    caller: Hashable = 0  # the fairness unit: (tenant id, API key id) from the frame
     priority: int = INTERACTIVE
     deadline: float = math.inf  # time.monotonic() past which it is not worth computing
     request_id: int | None = None
@@ -102,12 +103,13 @@ class Batcher:
     that runs alone rather than being refused.
 
     Scheduling: one queue per priority class, served strictly best class first; inside a
-    class, one queue per tenant, taken round-robin, so a flooding tenant gets its turn and not
-    the whole queue. While another tenant has work here, a tenant may hold at most
-    ``max_queue_per_tenant`` requests queued or running (alone it may use the whole queue:
-    nobody is waiting for the room). Shadow copies hold at most 1/SHADOW_SHARE of the queue.
-    A full queue evicts the newest request of the worst class queued below the newcomer's, or
-    else of the tenant holding most in the newcomer's class, before it refuses the newcomer.
+    class, one queue per caller (a tenant's API key), taken round-robin, so a flooding caller
+    gets its turn and not the whole queue. While another caller has work here, a caller may
+    hold at most ``max_queue_per_caller`` requests queued or running (alone it may use the
+    whole queue: nobody is waiting for the room). Shadow copies hold at most 1/SHADOW_SHARE of
+    the queue. A full queue evicts the newest request of the worst class queued below the
+    newcomer's, or else of the caller holding most in the newcomer's class, before it refuses
+    the newcomer.
     A request met past its deadline is dropped, never computed.
     """
 
@@ -118,7 +120,7 @@ class Batcher:
         max_batch_size: int = 32,
         max_queue_delay_ms: float = 0.0,
         max_queue: int = 256,
-        max_queue_per_tenant: int = 0,
+        max_queue_per_caller: int = 0,
         inline: bool = False,
         batch_sizes: BatchSizes | None = None,
         counts: SchedCounts | None = None,
@@ -127,18 +129,18 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_ms = max_queue_delay_ms
         self.max_queue = max_queue
-        self.max_queue_per_tenant = max_queue_per_tenant  # 0: half of max_queue
+        self.max_queue_per_caller = max_queue_per_caller  # 0: half of max_queue
         self.inline = inline
         self.runs = 0
         # Rows per run, counted per bucket of BATCH_SIZE_BOUNDS; agents pass one list shared by
         # all their batchers, so the counts outlive an unloaded version.
         self.batch_sizes = batch_sizes if batch_sizes is not None else BatchSizes()
         self.counts = counts if counts is not None else SchedCounts()
-        # Per class, tenant -> its queued requests; a dict's order is the round-robin turn.
-        self._queues: list[dict[int, deque[_Pending]]] = [{} for _ in PRIORITY_CLASSES]
+        # Per class, caller -> its queued requests; a dict's order is the round-robin turn.
+        self._queues: list[dict[Hashable, deque[_Pending]]] = [{} for _ in PRIORITY_CLASSES]
         self._class_depth = [0] * len(PRIORITY_CLASSES)
         self._depth = 0
-        self._tenant_load: dict[int, int] = {}  # requests queued or running, per tenant
+        self._caller_load: dict[Hashable, int] = {}  # requests queued or running, per caller
         self._by_id: dict[int, _Pending] = {}  # queued requests that a cancel frame may name
         self._wakeup = asyncio.Event()
         self._running: list[_Pending] = []
@@ -153,8 +155,8 @@ class Batcher:
         return self._depth
 
     @property
-    def tenant_cap(self) -> int:
-        return self.max_queue_per_tenant or max(1, self.max_queue // 2)
+    def caller_cap(self) -> int:
+        return self.max_queue_per_caller or max(1, self.max_queue // 2)
 
     @property
     def shadow_cap(self) -> int:
@@ -169,7 +171,7 @@ class Batcher:
         self,
         inputs: dict[str, np.ndarray],
         *,
-        tenant: int = 0,
+        caller: Hashable = 0,
         priority: int = INTERACTIVE,
         deadline: float = math.inf,
         request_id: int | None = None,
@@ -184,7 +186,7 @@ class Batcher:
         key = tuple(sorted((n, a.shape[1:], a.dtype.str) for n, a in inputs.items()))
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         pending = _Pending(
-            inputs, rows, key, future, time.perf_counter(), tenant=tenant, priority=priority
+            inputs, rows, key, future, time.perf_counter(), caller=caller, priority=priority
         )
         pending.deadline = deadline
         self._admit(pending)
@@ -192,18 +194,18 @@ class Batcher:
             pending.request_id = request_id
             self._by_id[request_id] = pending
         self._enqueue(pending)
-        self._tenant_load[tenant] = self._tenant_load.get(tenant, 0) + 1
+        self._caller_load[caller] = self._caller_load.get(caller, 0) + 1
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="batcher")
         try:
             outputs = await future
         finally:
-            load = self._tenant_load[tenant] - 1
+            load = self._caller_load[caller] - 1
             if load:
-                self._tenant_load[tenant] = load
+                self._caller_load[caller] = load
             else:
-                del self._tenant_load[tenant]
+                del self._caller_load[caller]
             if pending.in_queue:  # its caller was cancelled while it waited
                 self._unlink(pending)
         return outputs, pending.queue_s, pending.compute_s
@@ -227,12 +229,12 @@ class Batcher:
         if p.priority == SHADOW and self._class_depth[SHADOW] >= self.shadow_cap:
             self.counts.shed += 1
             raise Overloaded(f"shadow copies are capped at {self.shadow_cap} queued requests")
-        held = self._tenant_load.get(p.tenant, 0)
-        if held >= self.tenant_cap and len(self._tenant_load) > 1:
+        held = self._caller_load.get(p.caller, 0)
+        if held >= self.caller_cap and len(self._caller_load) > 1:
             self.counts.shed += 1
             raise OverShare(
-                f"this tenant holds {held} requests on a version other tenants share "
-                f"(at most {self.tenant_cap}); slow down and retry"
+                f"this API key holds {held} requests on a version other callers share "
+                f"(at most {self.caller_cap}); slow down and retry"
             )
         if self._depth < self.max_queue:
             return
@@ -245,29 +247,29 @@ class Batcher:
 
     def _victim(self, p: _Pending) -> tuple[_Pending | None, Overloaded]:
         """What a full queue gives up for ``p``: the newest request of the worst class below
-        ``p``'s, else the newest of the tenant holding most of ``p``'s class when that is more
-        than ``p``'s tenant holds; None (and ``p`` is refused) when ``p`` is the least worthy."""
+        ``p``'s, else the newest of the caller holding most of ``p``'s class when that is more
+        than ``p``'s caller holds; None (and ``p`` is refused) when ``p`` is the least worthy."""
         for cls in range(len(PRIORITY_CLASSES) - 1, p.priority, -1):
             queues = self._queues[cls]
             if queues:
-                tenant = max(queues, key=lambda t: len(queues[t]))
-                return queues[tenant][-1], Overloaded(
+                caller = max(queues, key=lambda t: len(queues[t]))
+                return queues[caller][-1], Overloaded(
                     f"shed for {PRIORITY_CLASSES[p.priority]} work: the queue is full"
                 )
         queues = self._queues[p.priority]
         if queues:
-            tenant = max(queues, key=lambda t: self._tenant_load.get(t, 0))
-            if self._tenant_load.get(tenant, 0) > self._tenant_load.get(p.tenant, 0) + 1:
-                return queues[tenant][-1], OverShare(
-                    "shed for another tenant: this tenant held most of a full queue"
+            caller = max(queues, key=lambda t: self._caller_load.get(t, 0))
+            if self._caller_load.get(caller, 0) > self._caller_load.get(p.caller, 0) + 1:
+                return queues[caller][-1], OverShare(
+                    "shed for another caller: this API key held most of a full queue"
                 )
         return None, Overloaded(f"queue full ({self.max_queue} requests waiting)")
 
     def _enqueue(self, p: _Pending) -> None:
         queues = self._queues[p.priority]
-        queue = queues.get(p.tenant)
+        queue = queues.get(p.caller)
         if queue is None:
-            queue = queues[p.tenant] = deque()
+            queue = queues[p.caller] = deque()
         queue.append(p)
         p.in_queue = True
         self._class_depth[p.priority] += 1
@@ -278,10 +280,10 @@ class Batcher:
         if not p.in_queue:
             return
         queues = self._queues[p.priority]
-        queue = queues[p.tenant]
+        queue = queues[p.caller]
         queue.remove(p)
         if not queue:
-            del queues[p.tenant]
+            del queues[p.caller]
         self._forget(p)
 
     def _forget(self, p: _Pending) -> None:
@@ -292,7 +294,7 @@ class Batcher:
             self._by_id.pop(p.request_id, None)
 
     def _head(self) -> _Pending | None:
-        """The request whose turn is next: best class first, tenants in turn inside it."""
+        """The request whose turn is next: best class first, callers in turn inside it."""
         if not self._depth:
             return None
         for queues in self._queues:
@@ -301,12 +303,12 @@ class Batcher:
         return None
 
     def _pop(self, p: _Pending) -> None:
-        """Take the head ``p`` and move its tenant to the back of its class's turn."""
+        """Take the head ``p`` and move its caller to the back of its class's turn."""
         queues = self._queues[p.priority]
-        queue = queues.pop(p.tenant)
+        queue = queues.pop(p.caller)
         queue.popleft()
         if queue:
-            queues[p.tenant] = queue
+            queues[p.caller] = queue
         self._forget(p)
 
     async def stop(self, reason: str = "version unloaded") -> None:

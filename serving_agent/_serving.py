@@ -221,7 +221,7 @@ class Serving:
         check_inputs(loaded.spec.inputs, inputs)
         outputs, queue_s, compute_s = await loaded.batcher.infer_timed(
             inputs,
-            tenant=request.tenant,
+            caller=(request.tenant, request.key),
             priority=request.priority,
             deadline=deadline,
             request_id=request.id,

@@ -272,7 +272,7 @@ class VersionSet:
         loaded.batcher.max_batch_size = spec.max_batch_size
         loaded.batcher.max_queue_delay_ms = spec.max_queue_delay_ms
         loaded.batcher.max_queue = spec.max_queue
-        loaded.batcher.max_queue_per_tenant = spec.max_queue_per_tenant
+        loaded.batcher.max_queue_per_caller = spec.max_queue_per_caller
 
     async def load(self, spec: VersionSpec) -> None:
         """Download, verify, make room for, load and warm up one version, reporting each
@@ -330,7 +330,7 @@ class VersionSet:
             max_batch_size=spec.max_batch_size,
             max_queue_delay_ms=spec.max_queue_delay_ms,
             max_queue=spec.max_queue,
-            max_queue_per_tenant=spec.max_queue_per_tenant,
+            max_queue_per_caller=spec.max_queue_per_caller,
             inline=latency < INLINE_BELOW_S,
             batch_sizes=self.batch_sizes,
             counts=self.sched_counts,

@@ -84,9 +84,10 @@ class VersionSpec(BaseModel):
     max_batch_size: int = 32
     max_queue_delay_ms: float = 0.0
     max_queue: int = 256
-    # Requests one tenant may hold queued or running on this version while another tenant
-    # has work on it (0: half of ``max_queue``), so a flooding tenant cannot fill the queue.
-    max_queue_per_tenant: int = 0
+    # Requests one caller (a tenant's API key) may hold queued or running on this version
+    # while another caller has work on it (0: half of ``max_queue``), so a flooding caller
+    # cannot fill the queue.
+    max_queue_per_caller: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     generation: GenerationLimits | None = None  # set for textgen versions
     # The platform's estimate of the memory one loaded copy needs (0: unknown, the agent
@@ -262,10 +263,12 @@ class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     inputs: list[FrameTensor]
     outputs: list[str] | None = None  # names the caller asked for; None means all
     trace: str = ""  # the W3C traceparent of the platform's span, for the agent's logs
-    # Scheduling: whose request it is (tenant-fair queueing), its class, and the time left
-    # to answer it in ms, counted from the frame's arrival (clocks need not agree). A
-    # request still queued when its budget runs out is answered "expired" and never run.
+    # Scheduling: whose request it is (the tenant and its API key: the batcher shares a
+    # version fairly between callers), its class, and the time left to answer it in ms,
+    # counted from the frame's arrival (clocks need not agree). A request still queued when
+    # its budget runs out is answered "expired" and never run.
     tenant: Annotated[int, msgspec.Meta(ge=0)] = 0
+    key: Annotated[int, msgspec.Meta(ge=0)] = 0
     priority: Annotated[int, msgspec.Meta(ge=0, le=len(PRIORITY_CLASSES) - 1)] = INTERACTIVE
     budget_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
@@ -278,7 +281,7 @@ class InferResult(msgspec.Struct, tag="result", tag_field="type"):
     compute_ms: float = 0.0
 
 
-# "over_share": the tenant holds more than its share of a shared version's queue (429);
+# "over_share": the caller holds more than its share of a shared version's queue (429);
 # "overloaded": the queue is full of better or fairer work (503); "expired": the budget ran
 # out before compute; "cancelled": the caller gave up (a ``Cancel`` frame) before compute.
 ErrorCode = Literal[

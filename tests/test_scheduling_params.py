@@ -40,6 +40,7 @@ from serving_agent.protocol import (
     unpack_frames,
 )
 from tenants.keys import KeyIdentity, create_api_key
+from tenants.models import ApiKey
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 
@@ -133,13 +134,14 @@ def test_asking_above_the_keys_ceiling_is_a_403(asked: object) -> None:
     assert "above what this API key may ask for ('batch')" in caught.value.message
 
 
-def test_the_frame_carries_tenant_class_and_budget_and_decodes_back() -> None:
+def test_the_frame_carries_caller_class_and_budget_and_decodes_back() -> None:
     x = np.ones((1, 4), np.float32)
     sent = InferRequest(
         id=3,
         version_id=9,
         inputs=[tensor_of("x", x)],
         tenant=42,
+        key=5,
         priority=BATCH,
         budget_ms=250.5,
     )
@@ -148,7 +150,7 @@ def test_the_frame_carries_tenant_class_and_budget_and_decodes_back() -> None:
     np.testing.assert_array_equal(y, x)
     plain, _ = decode_frame(encode_frame(InferRequest(id=4, version_id=9, inputs=[]), []))
     assert isinstance(plain, InferRequest)
-    assert (plain.tenant, plain.priority, plain.budget_ms) == (0, INTERACTIVE, None)
+    assert (plain.tenant, plain.key, plain.priority, plain.budget_ms) == (0, 0, INTERACTIVE, None)
 
 
 # Through the OIP app to a real agent serving stack --------------------------------------------
@@ -227,7 +229,7 @@ def infer(
 
 
 @pytestmark_db
-def test_the_oip_request_reaches_the_agent_with_tenant_class_and_budget(
+def test_the_oip_request_reaches_the_agent_with_caller_class_and_budget(
     world: Any, agent: InProcessAgent
 ) -> None:
     body = {**BODY, "parameters": {"priority": "batch", "timeout": 2_000_000}}
@@ -235,6 +237,7 @@ def test_the_oip_request_reaches_the_agent_with_tenant_class_and_budget(
     assert status == 200, answer
     (request,) = agent.headers
     assert (request.tenant, request.priority, request.budget_ms) == (world.a.pk, BATCH, 1500)
+    assert request.key == ApiKey.objects.get(tenant=world.a).pk
 
 
 @pytestmark_db

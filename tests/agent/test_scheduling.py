@@ -1,4 +1,4 @@
-"""The batcher's scheduler alone: priority classes, tenant fairness, caps, shedding, deadlines
+"""The batcher's scheduler alone: priority classes, caller fairness, caps, shedding, deadlines
 and cancels, over an in-memory model held shut by a gate so that requests queue up behind it."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def x(value: int) -> dict[str, np.ndarray]:
 async def blocked(model: Gated, **kw: Any) -> tuple[Batcher, asyncio.Task[Any]]:
     """A batcher (one request per run) whose first run, of value -1, holds the model."""
     batcher = Batcher(model.runtime(), max_batch_size=1, **kw)
-    first = asyncio.create_task(batcher.infer_timed(x(-1), tenant=99))
+    first = asyncio.create_task(batcher.infer_timed(x(-1), caller=99))
     while not model.started.is_set():
         await asyncio.sleep(0.001)
     return batcher, first
@@ -96,38 +96,38 @@ async def test_a_better_class_runs_first_whatever_the_arrival_order() -> None:
     await batcher.stop()
 
 
-async def test_tenants_of_one_class_take_turns_so_a_flood_does_not_starve_the_calm() -> None:
+async def test_callers_of_one_class_take_turns_so_a_flood_does_not_starve_the_calm() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=64, max_queue_per_tenant=64)
-    flood = [submit(batcher, 100 + i, tenant=1) for i in range(20)]
+    batcher, first = await blocked(model, max_queue=64, max_queue_per_caller=64)
+    flood = [submit(batcher, 100 + i, caller=1) for i in range(20)]
     await queued(*flood)
-    calm = [submit(batcher, 200 + i, tenant=2) for i in range(3)]
+    calm = [submit(batcher, 200 + i, caller=2) for i in range(3)]
     await queued(*calm)
     model.gate.set()
     await settle(first, *flood, *calm)
-    # The calm tenant's requests alternate with the flood's instead of waiting behind all 20.
+    # The calm caller's requests alternate with the flood's instead of waiting behind all 20.
     assert model.order[:7] == [-1, 100, 200, 101, 201, 102, 202]
     assert sorted(model.order[7:]) == list(range(103, 120))
     await batcher.stop()
 
 
-async def test_a_tenant_over_its_cap_on_a_shared_version_is_refused_with_over_share() -> None:
+async def test_a_caller_over_its_cap_on_a_shared_version_is_refused_with_over_share() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=16, max_queue_per_tenant=3)
-    mine = [submit(batcher, i, tenant=1) for i in range(5)]
+    batcher, first = await blocked(model, max_queue=16, max_queue_per_caller=3)
+    mine = [submit(batcher, i, caller=1) for i in range(5)]
     await queued(*mine)
     results = await settle(first, *mine, release(model))
-    # Tenant 99's running request shares the version: tenant 1 holds at most 3.
+    # Tenant 99's running request shares the version: caller 1 holds at most 3.
     assert [type(r) for r in results[1:6]].count(OverShare) == 2
     assert isinstance(results[4], OverShare) and isinstance(results[5], OverShare)
     assert batcher.counts.shed == 2
     await batcher.stop()
 
 
-async def test_a_tenant_alone_may_use_the_whole_queue() -> None:
+async def test_a_caller_alone_may_use_the_whole_queue() -> None:
     model = Gated()
-    batcher = Batcher(model.runtime(), max_batch_size=1, max_queue=8, max_queue_per_tenant=2)
-    mine = [submit(batcher, i, tenant=1) for i in range(8)]
+    batcher = Batcher(model.runtime(), max_batch_size=1, max_queue=8, max_queue_per_caller=2)
+    mine = [submit(batcher, i, caller=1) for i in range(8)]
     await queued(*mine)
     results = await settle(*mine, release(model))
     assert not any(isinstance(r, Exception) for r in results)
@@ -137,7 +137,7 @@ async def test_a_tenant_alone_may_use_the_whole_queue() -> None:
 async def test_shadow_copies_are_capped_at_an_eighth_of_the_queue() -> None:
     model = Gated()
     batcher, first = await blocked(model, max_queue=16)
-    shadows = [submit(batcher, i, priority=SHADOW, tenant=1) for i in range(4)]
+    shadows = [submit(batcher, i, priority=SHADOW, caller=1) for i in range(4)]
     await queued(*shadows)
     results = await settle(first, *shadows, release(model))
     refused = [r for r in results[1:5] if isinstance(r, Overloaded)]
@@ -148,10 +148,10 @@ async def test_shadow_copies_are_capped_at_an_eighth_of_the_queue() -> None:
 
 async def test_a_full_queue_sheds_the_worst_class_first_for_better_work() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=3, max_queue_per_tenant=3)
-    low = [submit(batcher, 10 + i, priority=BATCH, tenant=1) for i in range(3)]
+    batcher, first = await blocked(model, max_queue=3, max_queue_per_caller=3)
+    low = [submit(batcher, 10 + i, priority=BATCH, caller=1) for i in range(3)]
     await queued(*low)
-    urgent = submit(batcher, 0, priority=CRITICAL, tenant=2)
+    urgent = submit(batcher, 0, priority=CRITICAL, caller=2)
     await queued(urgent)
     results = await settle(first, *low, urgent, release(model))
     # The newest batch request made room; the critical one ran right after the blocker.
@@ -162,12 +162,12 @@ async def test_a_full_queue_sheds_the_worst_class_first_for_better_work() -> Non
     await batcher.stop()
 
 
-async def test_a_full_queue_sheds_the_tenant_holding_most_of_it_for_another_tenant() -> None:
+async def test_a_full_queue_sheds_the_caller_holding_most_of_it_for_another_caller() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=4, max_queue_per_tenant=8)
-    flood = [submit(batcher, 10 + i, tenant=1) for i in range(4)]
+    batcher, first = await blocked(model, max_queue=4, max_queue_per_caller=8)
+    flood = [submit(batcher, 10 + i, caller=1) for i in range(4)]
     await queued(*flood)
-    calm = submit(batcher, 0, tenant=2)
+    calm = submit(batcher, 0, caller=2)
     await queued(calm)
     results = await settle(first, *flood, calm, release(model))
     assert isinstance(results[4], OverShare)  # the flood's newest
@@ -177,10 +177,10 @@ async def test_a_full_queue_sheds_the_tenant_holding_most_of_it_for_another_tena
 
 async def test_the_least_worthy_newcomer_to_a_full_queue_is_refused() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=2, max_queue_per_tenant=8)
-    queued_now = [submit(batcher, i, tenant=1, priority=CRITICAL) for i in range(2)]
+    batcher, first = await blocked(model, max_queue=2, max_queue_per_caller=8)
+    queued_now = [submit(batcher, i, caller=1, priority=CRITICAL) for i in range(2)]
     await queued(*queued_now)
-    late = submit(batcher, 5, tenant=2, priority=BATCH)
+    late = submit(batcher, 5, caller=2, priority=BATCH)
     results = await settle(first, *queued_now, late, release(model))
     assert isinstance(results[3], Overloaded)
     assert "queue full" in str(results[3])
@@ -228,14 +228,14 @@ async def test_cancel_removes_queued_work_that_then_never_runs() -> None:
 
 async def test_a_caller_cancelled_while_queued_leaves_no_trace_in_the_queue() -> None:
     model = Gated()
-    batcher, first = await blocked(model, max_queue=4, max_queue_per_tenant=1)
-    waiting = submit(batcher, 1, tenant=1)
+    batcher, first = await blocked(model, max_queue=4, max_queue_per_caller=1)
+    waiting = submit(batcher, 1, caller=1)
     await queued(waiting)
     waiting.cancel()
     await settle(waiting)
     assert batcher.depth == 0
-    # Its tenant's share is free again.
-    again = submit(batcher, 2, tenant=1)
+    # Its caller's share is free again.
+    again = submit(batcher, 2, caller=1)
     model.gate.set()
     results = await settle(first, again)
     assert not isinstance(results[1], Exception)
@@ -248,7 +248,7 @@ async def release(model: Gated) -> None:
     model.gate.set()
 
 
-# Through the agent's serving: frames carry tenant, class and budget; cancel frames remove.
+# Through the agent's serving: frames carry caller, class and budget; cancel frames remove.
 
 
 class Replies:
@@ -287,7 +287,7 @@ async def test_frames_carry_budget_and_cancel_and_every_id_gets_one_reply(
         await asyncio.sleep(0.001)
     serving.handle_frame(infer_frame(2, row, budget_ms=30.0))
     serving.handle_frame(infer_frame(3, row))
-    serving.handle_frame(infer_frame(4, row, priority=CRITICAL, tenant=7))
+    serving.handle_frame(infer_frame(4, row, priority=CRITICAL, tenant=7, key=3))
     await asyncio.sleep(0.05)
     serving.handle_frame(encode_frame(CancelGenerate(id=3)))
     assert await replies.codes(1) == {3: "cancelled"}
@@ -317,6 +317,7 @@ def with_header(extra: bytes) -> bytes:
         b'"priority":-1',
         b'"priority":"critical"',
         b'"tenant":-3',
+        b'"key":-1',
     ],
 )
 async def test_a_frame_with_a_hostile_schedule_is_refused_as_bad_input(
