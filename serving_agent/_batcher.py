@@ -263,6 +263,12 @@ class Batcher:
                 return queues[caller][-1], OverShare(
                     "shed for another caller: this API key held most of a full queue"
                 )
+        mine = self._caller_load.get(p.caller, 0)
+        if len(self._caller_load) > 1 and mine >= max(self._caller_load.values()):
+            # The newcomer's own caller holds most of the queue: it is the one to slow down.
+            return None, OverShare(
+                f"queue full ({self.max_queue} requests waiting), most of them this API key's"
+            )
         return None, Overloaded(f"queue full ({self.max_queue} requests waiting)")
 
     def _enqueue(self, p: _Pending) -> None:
