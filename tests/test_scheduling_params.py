@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 from asgiref.sync import async_to_sync
+from channels.layers import InMemoryChannelLayer
 from channels.testing import HttpCommunicator
 
 from gateway import pipeline
-from gateway.dispatch import AgentLink
+from gateway.consumers import AgentConsumer
+from gateway.dispatch import AgentLink, AgentPool
 from gateway.oip import oip_app
 from gateway.pipeline import ApiError, Schedule
 from gateway.state import GatewayState
@@ -36,6 +38,7 @@ from serving_agent.protocol import (
     VersionSpec,
     decode_frame,
     encode_frame,
+    error_frame,
     tensor_of,
     unpack_frames,
 )
@@ -298,3 +301,44 @@ async def _post(
         headers=[(b"authorization", f"Bearer {key}".encode()), *headers],
     )
     return await communicator.get_response(timeout=10)
+
+
+# A request forwarded from another gateway process: its cancel must not leak a reply route.
+
+
+def test_a_forwarded_cancel_opens_no_reply_route_and_the_cancelled_answer_closes_one() -> None:
+    async def scenario() -> tuple[list[bytes], dict[int, str], dict[int, str], bytes]:
+        sent: list[bytes] = []
+
+        async def to_agent(message: bytes) -> None:
+            sent.extend(unpack_frames(message))
+
+        consumer = AgentConsumer()
+        consumer.remote_replies = {}
+        consumer.channel_layer = InMemoryChannelLayer()
+        consumer.state = SimpleNamespace(pool=AgentPool())
+        consumer.link = AgentLink("agent", to_agent)
+        consumer._send_message = to_agent  # type: ignore[method-assign]
+        reply_channel = await consumer.channel_layer.new_channel()
+        x = np.ones((1, 4), np.float32)
+        infer_frame = encode_frame(
+            InferRequest(id=7, version_id=1, inputs=[tensor_of("x", x)], budget_ms=50.0), [x]
+        )
+        await consumer.agent_forward({"frame": infer_frame, "reply": reply_channel})
+        for request_id in (7, 9):  # the request's own cancel, and one for an unknown id
+            cancel = encode_frame(CancelGenerate(id=request_id))
+            await consumer.agent_forward({"frame": cancel, "reply": reply_channel})
+        routes_while_queued = dict(consumer.remote_replies)
+        await consumer._reply_frame(error_frame(7, "cancelled", "the caller gave up"))
+        answered = await consumer.channel_layer.receive(reply_channel)
+        return sent, routes_while_queued, consumer.remote_replies, answered["frame"]
+
+    sent, routes_while_queued, routes_after, answered = async_to_sync(scenario)()
+    assert [type(decode_frame(f)[0]).__name__ for f in sent] == [
+        "InferRequest",
+        "CancelGenerate",
+        "CancelGenerate",
+    ]
+    assert list(routes_while_queued) == [7]
+    assert routes_after == {}
+    assert decode_frame(answered)[0].code == "cancelled"
