@@ -1,8 +1,12 @@
--- wrk script: POST one OIP v2 inference request (body and key from the environment) and print
--- a JSON summary line that bench/oip_bench.py parses.
+-- wrk script: POST one inference request to the URL wrk is given (body and key from the
+-- environment; no Authorization header when BENCH_KEY is empty, as for the peer model servers)
+-- and print a JSON summary line that bench/oip_bench.py parses.
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer " .. os.getenv("BENCH_KEY")
+local key = os.getenv("BENCH_KEY") or ""
+if key ~= "" then
+  wrk.headers["Authorization"] = "Bearer " .. key
+end
 wrk.body = os.getenv("BENCH_BODY")
 
 done = function(summary, latency, requests)

@@ -4,12 +4,15 @@ Every server-side process (ASGI server, serving agent, a Redis of its own) is pi
 with taskset and wrk to CPU 1. For each server (uvicorn, daphne) and 1/16/64 connections: 5 s of
 warm-up, then a measured run; it prints requests/s, p50/p99 and the server-side CPU per request
 (CPU time of the server processes over the requests served), next to ONNX Runtime called
-in-process on the same model in the same run. Run: ``make bench`` (or ``bash bench/run.sh``).
+in-process on the same model in the same run. ``--peers kserve,torchserve[,mlserver]`` adds peer
+model servers from PyPI serving the same ONNX file (``bench/peers_bench.py``), measured by the
+same ``measure()``. Run: ``make bench`` (or ``bash bench/run.sh``).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -26,6 +29,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from peers_bench import PEERS, VENV_OF, ensure_venv, start_peer  # noqa: E402
 
 from tests.e2e.harness import (  # noqa: E402
     PY,
@@ -79,6 +84,36 @@ def run_wrk(url: str, connections: int, seconds: int, key: str, body: str) -> di
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=seconds + 30)
     line = next(x for x in out.stdout.splitlines() if x.startswith("BENCH "))
     return json.loads(line[6:])
+
+
+def measure(
+    label: str, url: str, key: str, body: str, pids: list[int], args: argparse.Namespace
+) -> list[dict]:
+    """One row per connection count, measured the same way for every case and peer: a full-length
+    unmeasured run at 1 connection first (the first 1-connection point after a start ran slow),
+    then at each count a warm-up and a measured run, with the CPU of ``pids`` and their children
+    over it."""
+    run_wrk(url, 1, args.seconds, key, body)
+    rows = []
+    for connections in (int(c) for c in args.connections.split(",")):
+        run_wrk(url, connections, args.warmup, key, body)
+        before = sum(cpu_seconds(p) for p in pids)
+        result = run_wrk(url, connections, args.seconds, key, body)
+        used = sum(cpu_seconds(p) for p in pids) - before
+        seconds = result["duration_us"] / 1e6
+        rows.append(
+            {
+                "case": label,
+                "connections": connections,
+                "rps": result["requests"] / seconds,
+                "p50_ms": result["p50_us"] / 1000,
+                "p99_ms": result["p99_us"] / 1000,
+                "errors": result["errors"],
+                "cpu_ms_per_req": used * 1000 / max(result["requests"], 1),
+            }
+        )
+        print(_row(rows[-1]), flush=True)
+    return rows
 
 
 def in_process_onnx(artifact: bytes, seconds: float = 3.0) -> tuple[float, float]:
@@ -145,16 +180,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--connections", default="1,16,64")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case ids")
+    parser.add_argument(
+        "--peers",
+        default="",
+        help=f"comma-separated peer model servers to add ({','.join(PEERS)}), same ONNX file",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "latest.md")
     args = parser.parse_args()
+    peers = [p for p in args.peers.split(",") if p]
+    for venv in sorted({VENV_OF[p] for p in peers}):  # pip, if needed, before anything starts
+        ensure_venv(venv)
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
     redis, redis_port = start_redis()
+    atexit.register(redis.terminate)  # also when the set-up below fails
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     backend = services_backend(tmp)
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # the text model plays no part here
-    creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
+    # Training the demo model takes minutes on a busy machine, past manage()'s default.
+    creds = json.loads(backend.manage("bootstrap_demo", timeout=900).strip().splitlines()[-1])
     key, token = creds["api_key"], creds["node_token"]
     artifact = backend.shell(
         "from registry.models import ModelVersion;"
@@ -179,7 +224,7 @@ def main() -> None:
     notes: list[str] = []
     running: list[Proc] = []  # stopped in ``finally`` too, so a failed run leaves nothing behind
     try:
-        for label, server, kind, hop, workers in (CASES[c] for c in args.cases.split(",")):
+        for label, server, kind, hop, workers in (CASES[c] for c in args.cases.split(",") if c):
             if label == CASES["canary"][0]:
                 backend.shell(START_CANARY)
             port = free_port()
@@ -214,26 +259,8 @@ def main() -> None:
                 url = f"http://127.0.0.1:{front_port}"
                 front_ready = f"{url}/v2/models/fraud-detector/ready"
                 wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
-            for connections in (int(c) for c in args.connections.split(",")):
-                target = url + paths[kind]
-                run_wrk(target, connections, args.warmup, key, bodies[kind])
-                pids = [*(p.popen.pid for p in servers), agent.popen.pid, redis.pid]
-                before = sum(cpu_seconds(p) for p in pids)
-                result = run_wrk(target, connections, args.seconds, key, bodies[kind])
-                used = sum(cpu_seconds(p) for p in pids) - before
-                seconds = result["duration_us"] / 1e6
-                rows.append(
-                    {
-                        "case": label,
-                        "connections": connections,
-                        "rps": result["requests"] / seconds,
-                        "p50_ms": result["p50_us"] / 1000,
-                        "p99_ms": result["p99_us"] / 1000,
-                        "errors": result["errors"],
-                        "cpu_ms_per_req": used * 1000 / max(result["requests"], 1),
-                    }
-                )
-                print(_row(rows[-1]), flush=True)
+            pids = [*(p.popen.pid for p in servers), agent.popen.pid, redis.pid]
+            rows += measure(label, url + paths[kind], key, bodies[kind], pids, args)
             if workers > 1:
                 counts = dispatched(url)
                 notes.append(
@@ -243,6 +270,11 @@ def main() -> None:
             agent.stop()
             for proc in servers:
                 proc.stop()
+        for name in peers:  # the same ONNX file, body, pinning and measure()
+            peer = start_peer(name, Path(artifact), tmp, bodies["oip"])
+            running[:] = peer.procs
+            rows += measure(peer.label, peer.url, "", bodies["oip"], peer.pids(), args)
+            peer.stop()
         single, batched = in_process_onnx(Path(artifact).read_bytes())
     finally:
         for proc in running:

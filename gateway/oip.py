@@ -15,6 +15,10 @@ from typing import Any
 import orjson
 
 from . import pipeline, tracing
+from .asgi_io import error_body as _error
+from .asgi_io import header as _header
+from .asgi_io import read_body as _read_body
+from .asgi_io import respond as _respond
 from .asgi_types import Receive, Scope, Send
 from .dispatch import in_background
 from .metrics import Observed
@@ -186,42 +190,3 @@ def _allow(method: str, allowed: str) -> None:
         raise ApiError(
             405, f"method {method} not allowed here; use {allowed}", [("Allow", allowed)]
         )
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ApiError(400, "client disconnected before sending the whole body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _error(message: str) -> bytes:
-    return orjson.dumps({"error": message})
-
-
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
-    raw_headers = [(b"content-length", str(len(body)).encode())]
-    if not any(k.lower() == "content-type" for k, _ in headers):
-        raw_headers.append((b"content-type", b"application/json"))
-    raw_headers.extend((k.lower().encode(), v.encode()) for k, v in headers)
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})

@@ -17,6 +17,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from django.urls import path  # noqa: E402
 
 from gateway import links  # noqa: E402
+from gateway.api.predict_app import predict_app, predict_url  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.consumers import AgentConsumer  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
@@ -38,6 +39,8 @@ async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
         await oip_app(scope, receive, send)
     elif path == "/metrics":
         await metrics_app(scope, receive, send)
+    elif (predict := predict_url(scope)) is not None:  # the prediction API, before Django
+        await predict_app(predict, scope, receive, send)
     elif path.startswith(STATIC_PREFIX):
         await static_app(scope, receive, send)
     else:

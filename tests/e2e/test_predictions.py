@@ -1,5 +1,6 @@
 """The platform end to end: upload through the API, promote, predict over OIP v2 and the
-prediction API, and compare with ONNX Runtime run in the test process."""
+prediction API (its lean front door, gateway/api/predict_app.py, in the real server), and
+compare with ONNX Runtime run in the test process."""
 
 from __future__ import annotations
 
@@ -69,6 +70,45 @@ def test_prediction_api_takes_rows_and_columns(stack, rng):
         np.testing.assert_allclose(cols.json()["outputs"]["y"], want, rtol=1e-5, atol=1e-6)
         bad = client.post("/api/v1/models/clf/predict", json={"inputs": {"z": x.tolist()}})
         assert bad.status_code == 400 and "unknown input" in bad.json()["error"]
+        by_version = client.post(
+            "/api/v1/models/clf/versions/1/predict", json={"instances": x.tolist()}
+        )
+        assert (by_version.json()["model"], by_version.json()["version"]) == ("clf", 1)
+        np.testing.assert_allclose(by_version.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+        assert rows.headers["traceparent"].startswith("00-") and rows.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    "content, content_type, status, words",
+    [
+        (b"{", "application/json", 400, "not valid JSON"),
+        (b'{"instances": "abc"}', "application/json", 400, "instances: Expected a list"),
+        (b'{"instances": [[1e39, 0, 0, 0]]}', "application/json", 400, "NaN or infinity"),
+        (b'{"instances": ["\xff"]}', "application/json", 400, "not valid JSON"),
+        (b"[" * 5000 + b"]" * 5000, "application/json", 400, "not valid JSON"),
+        (b"instances=1", "application/x-www-form-urlencoded", 415, "application/json"),
+        (b" " * (17 * 1024 * 1024), "application/json", 413, "larger than the limit"),
+    ],
+)
+def test_prediction_api_refuses_bad_bodies_in_its_error_shape(
+    stack, content, content_type, status, words
+):
+    with stack.client() as client:
+        response = client.post(
+            "/api/v1/models/clf/predict", content=content, headers={"Content-Type": content_type}
+        )
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"] and "Traceback" not in response.text
+
+
+def test_prediction_api_keys_and_methods(stack):
+    row = {"instances": [[0.0, 0.0, 0.0, 0.0]]}
+    with stack.client("sy_deadbeef_nope") as client:
+        refused = client.post("/api/v1/models/clf/predict", json=row)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    with stack.client() as client:
+        assert client.post("/api/v1/models/nope/predict", json=row).status_code == 404
+        assert client.get("/api/v1/models/clf/predict").status_code == 405  # DRF's answer
 
 
 def test_metadata_and_health_follow_the_protocol(stack):

@@ -1,0 +1,44 @@
+"""The prediction API's request and response bodies, for validation and the OpenAPI schema.
+
+One definition for both: ``gateway.api.predict_app`` validates each request with
+``PredictRequest`` and the schema (``/api/schema/``) documents the same classes from
+``PredictView``.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+
+
+class PredictRequest(serializers.Serializer):
+    instances = serializers.ListField(
+        required=False,
+        help_text="Rows: objects of feature name → value, or lists of values in signature order.",
+    )
+    inputs = serializers.DictField(
+        required=False, help_text="Columns: input name → nested list (batch first)."
+    )
+    outputs = serializers.ListField(child=serializers.CharField(), required=False)
+
+
+class PredictResponse(serializers.Serializer):
+    model = serializers.CharField()
+    version = serializers.IntegerField()
+    predictions = serializers.ListField(help_text="The first output, one entry per row.")
+    outputs = serializers.DictField(help_text="Every output asked for: name → nested list.")
+    arm = serializers.CharField(
+        required=False, help_text="The rollout arm that answered, while a plan routes the model."
+    )
+
+
+# Built from a dict: a serializer cannot declare a field named ``fields`` (its own attribute).
+ErrorResponse = inline_serializer(
+    "ErrorResponse",
+    fields={
+        "error": serializers.CharField(help_text="What is wrong, naming the field when one is."),
+        "fields": serializers.DictField(
+            required=False, help_text="Per-field problems, when the body failed validation."
+        ),
+    },
+)

@@ -1,0 +1,54 @@
+"""Reading a request and writing a JSON reply in raw ASGI, shared by the lean apps that skip
+Django's request stack (OIP v2 in ``gateway.oip``, the prediction API in
+``gateway.api.predict_app``), so both enforce the same body limit the same way."""
+
+from __future__ import annotations
+
+import orjson
+
+from .asgi_types import Receive, Scope, Send
+from .pipeline import ApiError
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a request header (``name`` in lower case, as ASGI gives them)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, or 413 as soon as it (or its declared length) passes ``limit`` bytes:
+    a body too large is never held in memory whole."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def error_body(message: str) -> bytes:
+    """The data path's error shape: ``{"error": "<what is wrong>"}``."""
+    return orjson.dumps({"error": message})
+
+
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+    """Send a whole reply; JSON unless ``headers`` name another content type."""
+    raw_headers = [(b"content-length", str(len(body)).encode())]
+    if not any(k.lower() == "content-type" for k, _ in headers):
+        raw_headers.append((b"content-type", b"application/json"))
+    raw_headers.extend((k.lower().encode(), v.encode()) for k, v in headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
