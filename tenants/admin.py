@@ -10,7 +10,7 @@ from django.http import HttpRequest
 
 from .audit import user_actor
 from .keys import create_api_key, revoke_api_key, set_key_priority
-from .models import ApiKey, AuditEvent, Membership, Quota, Tenant
+from .models import ApiKey, AuditEvent, KeyPriority, Membership, Quota, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -32,8 +32,28 @@ class TenantAdmin(admin.ModelAdmin):
     inlines = [QuotaInline, MembershipInline]
 
 
+class ApiKeyForm(forms.ModelForm):
+    # Not required: a key created without saying gets the model's default (interactive).
+    priority = forms.TypedChoiceField(
+        choices=KeyPriority.choices,
+        coerce=int,
+        required=False,
+        initial=KeyPriority.INTERACTIVE,
+        help_text=ApiKey._meta.get_field("priority").help_text,
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = ["tenant", "name", "priority"]
+
+    def clean_priority(self) -> int:
+        value = self.cleaned_data.get("priority")
+        return int(value) if isinstance(value, int) else KeyPriority.INTERACTIVE
+
+
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
+    form = ApiKeyForm
     list_display = [
         "name",
         "tenant",
