@@ -32,8 +32,10 @@ from serving_agent.protocol import (
     Assign,
     Attach,
     FrameError,
+    GenerateRequest,
     Heartbeat,
     Hello,
+    InferRequest,
     Links,
     TokenChunk,
     VersionSpec,
@@ -323,7 +325,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
             header, _ = decode_frame(event["frame"])
         except FrameError:
             return
-        self.remote_replies[header.id] = event["reply"]
+        if isinstance(header, InferRequest | GenerateRequest):
+            # A cancel gets no reply of its own (the request it names does), so it must not
+            # open a route that nothing would ever close.
+            self.remote_replies[header.id] = event["reply"]
         await self._send_message(pack_frames([event["frame"]]))
 
     async def disconnect(self, code: int) -> None:

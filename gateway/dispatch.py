@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from serving_agent.protocol import (
+    INTERACTIVE,
     CancelGenerate,
     FrameError,
     GenerateDone,
@@ -46,9 +47,20 @@ AgentFrame = InferResult | InferError | TokenChunk | GenerateDone
 STREAM_BUFFER = 256
 
 
-# What an agent's error code means to a client: its input was refused, or the agent cannot take
-# it now (retry). Anything else is the agent's own failure.
-AGENT_ERROR_STATUS = {"bad_input": 400, "overloaded": 503, "not_loaded": 503}
+# What an agent's error code means to a client: its input was refused, its tenant holds its
+# share of a shared version (retry later), the agent cannot take it now (retry), or its
+# deadline passed before compute. "cancelled" answers a client that is gone (nginx's 499).
+# Anything else is the agent's own failure.
+AGENT_ERROR_STATUS = {
+    "bad_input": 400,
+    "over_share": 429,
+    "overloaded": 503,
+    "not_loaded": 503,
+    "expired": 504,
+    "cancelled": 499,
+}
+# Statuses that tell the client to come back: they carry Retry-After.
+RETRY_STATUSES = (429, 503)
 
 
 def status_of(error: InferError) -> int:
@@ -110,7 +122,7 @@ class StreamInbox:
             raise item
         if isinstance(item, InferError):
             status = status_of(item)
-            raise DispatchError(status, item.message, 1 if status == 503 else None)
+            raise DispatchError(status, item.message, 1 if status in RETRY_STATUSES else None)
         return item
 
     async def cancel(self) -> None:
@@ -236,8 +248,18 @@ class AgentPool:
         outputs: list[str] | None,
         timeout: float,
         trace: str = "",
+        *,
+        tenant: int = 0,
+        key: int = 0,
+        priority: int = INTERACTIVE,
     ) -> AgentReply:
-        """Send one request to an agent serving the version and wait for its reply."""
+        """Send one request to an agent serving the version and wait for its reply.
+
+        ``timeout`` (seconds) travels as the request's budget: the agent drops it unrun once
+        that much time has passed since it arrived there. A caller that stops waiting (the
+        timeout, or its task cancelled when the client went away) sends a cancel frame, so a
+        queued request is never computed for nobody.
+        """
         request_id = next(self._ids)
         frame = encode_frame(
             InferRequest(
@@ -246,6 +268,10 @@ class AgentPool:
                 inputs=[tensor_of(n, a) for n, a in zip(names, arrays, strict=True)],
                 outputs=outputs,
                 trace=trace,
+                tenant=tenant,
+                key=key,
+                priority=priority,
+                budget_ms=round(timeout * 1000, 3),
             ),
             arrays,
         )
@@ -258,16 +284,17 @@ class AgentPool:
             self.dispatched["local"] += 1
             try:
                 await self._send(link.send_frame, frame)
-                return await self._wait(fut, timeout)
+                return await self._wait(fut, timeout, request_id, link.send_frame)
             finally:
                 link.pending.pop(request_id, None)
         channels = self.remote.get(version_id)
         if channels and self.remote_sender is not None:
             self._remote_pending[request_id] = fut
             self.dispatched["forwarded"] += 1
+            send = partial(self.remote_sender, random.choice(channels))
             try:
-                await self._send(partial(self.remote_sender, random.choice(channels)), frame)
-                return await self._wait(fut, timeout)
+                await self._send(send, frame)
+                return await self._wait(fut, timeout, request_id, send)
             finally:
                 self._remote_pending.pop(request_id, None)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
@@ -309,14 +336,27 @@ class AgentPool:
             raise DispatchError(502, f"could not reach the serving agent: {exc!r}") from None
 
     @staticmethod
-    async def _wait(fut: asyncio.Future[AgentReply], timeout: float) -> AgentReply:
+    async def _wait(
+        fut: asyncio.Future[AgentReply],
+        timeout: float,
+        request_id: int,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> AgentReply:
+        """The reply; on giving up (the timeout, or this task cancelled because the client
+        went away) the agent is told, so it drops the request if it is still queued. The
+        agent still answers it (``cancelled``), which also ends the reply route a forwarding
+        process keeps for it."""
         try:
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
+            in_background(_cancel(send, request_id))
             raise DispatchError(
                 504, f"the serving agent did not answer within {timeout:g} s"
             ) from None
+        except asyncio.CancelledError:
+            in_background(_cancel(send, request_id))
+            raise
 
     def deliver(self, link: AgentLink, data: bytes) -> AgentFrame | None:
         """Resolve the request (or feed the stream) a reply frame answers. Returns the frame's
@@ -362,6 +402,13 @@ class AgentPool:
             streams.pop(header.id, None)
             stream.fail(SlowClient(429, "the client read its stream too slowly"))
             in_background(stream.cancel())
+
+
+async def _cancel(send: Callable[[bytes], Awaitable[None]], request_id: int) -> None:
+    try:
+        await send(encode_frame(CancelGenerate(id=request_id)))
+    except Exception as exc:  # the agent (or Redis) may be gone; nothing left to stop then
+        log.info("could not cancel request %d: %r", request_id, exc)
 
 
 def _answer(fut: asyncio.Future[AgentReply], header: AgentFrame, arrays: list[np.ndarray]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
@@ -121,7 +122,7 @@ async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.Mod
     after: After = []
     error: ApiError | None = None
     try:
-        reply = await _infer(state, request, metadata, observed, after)
+        reply = await _infer(state, request, metadata, observed, after, context.time_remaining())
     except ApiError as exc:
         error = exc
     except Exception:
@@ -142,15 +143,21 @@ async def _infer(
     metadata: dict[str, str],
     observed: Observed,
     after: After,
+    time_left: float | None = None,
 ) -> pb.ModelInferResponse:
     version = request.model_version or None
     identity, route = await pipeline.admit(
         state, metadata.get("authorization"), request.model_name, version, observed
     )
     parsed = grpc_codec.parse_infer(request, route)
-    # Hook: REST hands no request parameters to the pipeline yet; when it does (priority,
-    # timeout), this dict goes to the same function. Checked already, so a malformed one fails.
-    grpc_codec.request_parameters(request.parameters)
+    sched = pipeline.schedule(
+        state,
+        identity,
+        grpc_codec.request_parameters(request.parameters),
+        metadata.get(pipeline.TIMEOUT_HEADER),
+    )
+    if time_left is not None:  # the client's gRPC deadline travels to the agent too
+        sched = replace(sched, budget_ms=max(min(sched.budget_ms, time_left * 1000), 1.0))
     observed.mark("serialization")
     routed, outputs = await pipeline.predict(
         state,
@@ -161,6 +168,7 @@ async def _infer(
         parsed,
         observed,
         after,
+        sched,
     )
     reply = grpc_codec.render_infer(
         routed.route, parsed.id, outputs, bool(request.raw_input_contents), routed.arm

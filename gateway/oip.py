@@ -7,6 +7,7 @@ under ``/v2`` is small and served here too, so KServe and Triton clients work un
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -115,22 +116,44 @@ async def _infer(
     body = await _read_body(scope, receive, state.max_body)
     header_length = _header(scope, b"inference-header-content-length")
     parsed = parse_infer(body, header_length, route)
-    observed.mark("serialization")
-    routed, outputs = await pipeline.predict(
-        state,
-        identity,
-        route,
-        version is not None,
-        lambda h: _header(scope, h.encode()),
-        parsed,
-        observed,
-        after,
+    sched = pipeline.schedule(
+        state, identity, parsed.parameters, _header(scope, pipeline.TIMEOUT_HEADER.encode())
     )
+    observed.mark("serialization")
+    # A client that hangs up while it waits cancels its request, so the agent drops it
+    # unrun if it is still queued (the body is read: the next message is the disconnect).
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.create_task(_cancel_on_disconnect(receive, task))
+    try:
+        routed, outputs = await pipeline.predict(
+            state,
+            identity,
+            route,
+            version is not None,
+            lambda h: _header(scope, h.encode()),
+            parsed,
+            observed,
+            after,
+            sched,
+        )
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled() or task.uncancel():
+            raise  # cancelled from outside (shutdown), not by the client leaving
+        raise ApiError(499, "the client disconnected before the answer") from None
+    finally:
+        watcher.cancel()
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
     )
     observed.mark("serialization")
     return 200, payload, headers
+
+
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
 
 
 def model_metadata(route: Route) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedI
         raise ApiError(400, "binary data: the body holds more bytes than the inputs declare")
     check_complete(route, names)
     outputs, binary_outputs = _parse_outputs(doc, route)
-    return ParsedInfer(request_id, names, arrays, outputs, binary_outputs)
+    return ParsedInfer(request_id, names, arrays, outputs, binary_outputs, doc.get("parameters"))
 
 
 def _parse_input(

@@ -5,6 +5,8 @@ dispatch. Each step raises ``ApiError`` with the status and a message that names
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -14,11 +16,18 @@ from typing import Any
 import numpy as np
 
 from platform_site.tokens import bearer
-from serving_agent.protocol import OIP_TO_NUMPY, InferError, InferResult
+from serving_agent.protocol import (
+    INTERACTIVE,
+    OIP_TO_NUMPY,
+    PRIORITY_CLASSES,
+    SHADOW,
+    InferError,
+    InferResult,
+)
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
-from .dispatch import DispatchError, status_of
+from .dispatch import RETRY_STATUSES, DispatchError, status_of
 from .metrics import Observed
 from .routes import InputSpec, Route, RouteMissing
 from .state import GatewayState
@@ -45,6 +54,7 @@ class ParsedInfer:
     arrays: list[np.ndarray]
     outputs: list[str] | None  # None: all outputs
     binary_outputs: set[str]  # REST only: outputs to send as binary data
+    parameters: object = None  # the request's parameters (priority, timeout: see schedule())
 
 
 async def authenticate(state: GatewayState, authorization: str | None) -> KeyIdentity:
@@ -142,6 +152,92 @@ def check_input(
     return spec
 
 
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """How the agent schedules a request: its priority class (an index of
+    ``PRIORITY_CLASSES``, 0 best) and its budget in ms (the gateway waits that long, and the
+    agent drops it unrun once that much has passed since it arrived there)."""
+
+    priority: int
+    budget_ms: float
+
+
+TIMEOUT_HEADER = "x-switchyard-timeout-ms"
+_HEADER_MS = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,3})?$")
+
+
+def schedule(
+    state: GatewayState,
+    identity: KeyIdentity,
+    parameters: object = None,
+    timeout_header: str | None = None,
+) -> Schedule:
+    """The schedule a request asks for, within what its key allows. Every front door calls it.
+
+    ``parameters``: the request's parameters object (OIP's request ``parameters``), read for
+    ``priority`` (a class name, or Triton's integers: 1 best .. 4, 0 the key's default) and
+    ``timeout`` (microseconds, as Triton). ``timeout_header``: the value of the
+    ``x-switchyard-timeout-ms`` header, if sent. Without either, the key's priority and the
+    server's timeout; a timeout is capped at the server's. A value that cannot be read is a 400;
+    a priority above the key's (its ceiling) a 403.
+    """
+    params = parameters if parameters is not None else {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "parameters: must be an object")
+    priority = _priority(params.get("priority"), identity.priority)
+    if priority < identity.priority:
+        raise ApiError(
+            403,
+            f"parameters.priority: {PRIORITY_CLASSES[priority]!r} is above what this API key "
+            f"may ask for ({PRIORITY_CLASSES[identity.priority]!r})",
+        )
+    budget_ms = state.infer_timeout * 1000
+    timeout_us = params.get("timeout")
+    if timeout_us is not None:
+        if (
+            isinstance(timeout_us, bool)
+            or not isinstance(timeout_us, int | float)
+            or not math.isfinite(timeout_us)
+            or timeout_us <= 0
+        ):
+            raise ApiError(
+                400,
+                f"parameters.timeout: must be a positive number of microseconds, got "
+                f"{timeout_us!r}",
+            )
+        budget_ms = min(budget_ms, timeout_us / 1000)
+    if timeout_header is not None:
+        value = timeout_header.strip()
+        if not _HEADER_MS.match(value) or float(value) <= 0:
+            raise ApiError(
+                400,
+                f"{TIMEOUT_HEADER}: must be a positive number of milliseconds, got "
+                f"{timeout_header[:40]!r}",
+            )
+        budget_ms = min(budget_ms, float(value))
+    return Schedule(priority, budget_ms)
+
+
+def _priority(asked: object, default: int) -> int:
+    if asked is None:
+        return default
+    if isinstance(asked, str) and asked in PRIORITY_CLASSES:
+        return PRIORITY_CLASSES.index(asked)
+    if isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked <= 4:
+        return default if asked == 0 else asked - 1
+    raise ApiError(
+        400,
+        f"parameters.priority: must be one of {', '.join(PRIORITY_CLASSES)}, or an integer "
+        f"0-4 (1 best, 0 the key's default); got {str(asked)[:40]!r}",
+    )
+
+
+def default_schedule(state: GatewayState, identity: KeyIdentity | None = None) -> Schedule:
+    """The key's priority (interactive without a key) and the server's timeout."""
+    priority = identity.priority if identity is not None else INTERACTIVE
+    return Schedule(priority, state.infer_timeout * 1000)
+
+
 def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
     """Refuse a tensor the version's signature does not accept."""
     if len(array.shape) != len(spec.shape) or any(
@@ -179,11 +275,19 @@ async def run_inference(
     arrays: list[np.ndarray],
     outputs: list[str] | None = None,
     observed: Observed | None = None,
+    *,
+    identity: KeyIdentity | None = None,
+    sched: Schedule | None = None,
 ) -> list[tuple[str, np.ndarray]]:
     """Dispatch to an agent and return (name, array) per output, in the agent's order.
 
+    The caller (``identity``'s tenant and key) and ``sched`` (see ``schedule``; the key's
+    class and the server's timeout without one) go on the frame: the agent queues the request
+    by class, shares the version fairly between callers, and drops it past its budget.
     Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
     """
+    if sched is None:
+        sched = default_schedule(state, identity)
     started = time.perf_counter()
     if observed is not None:
         observed.route = route
@@ -195,15 +299,18 @@ async def run_inference(
             names,
             arrays,
             outputs,
-            state.infer_timeout,
+            sched.budget_ms / 1000,
             observed.trace.traceparent if observed is not None else "",
+            tenant=identity.tenant_id if identity is not None else 0,
+            key=identity.key_id if identity is not None else 0,
+            priority=sched.priority,
         )
     except DispatchError as exc:
         if observed is not None:
             observed.mark("dispatch")
         state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
         raise api_error(exc) from None
-    ok = not isinstance(reply, InferError) or reply.code == "bad_input"
+    ok = not isinstance(reply, InferError) or status_of(reply) < 500
     state.traffic.record(route.version_id, time.perf_counter() - started, ok)
     if observed is not None:
         observed.mark("dispatch")
@@ -211,7 +318,7 @@ async def run_inference(
             observed.agent_times(reply.queue_ms, reply.compute_ms)
     if isinstance(reply, InferError):
         status = status_of(reply)
-        retry = [("Retry-After", "1")] if status == 503 else []
+        retry = [("Retry-After", "1")] if status in RETRY_STATUSES else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
     answer = [(t.name, a) for t, a in zip(reply.outputs, result, strict=True)]
@@ -269,14 +376,23 @@ async def predict(
     parsed: ParsedInfer,
     observed: Observed,
     after: After,
+    sched: Schedule,
 ) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
-    """An admitted, parsed prediction: choose the arm, run it, and queue the shadow copy (if
-    the plan samples one) on ``after``, to run once the reply is sent."""
+    """An admitted, parsed prediction: choose the arm, run it as ``sched`` says (see
+    ``schedule``), and queue the shadow copy (if the plan samples one) on ``after``, to run
+    once the reply is sent."""
     routed = await route_request(state, identity, route, explicit_version, header, parsed.id)
     observed.arm = routed.arm
     observed.mark("routing")
     answer = await run_inference(
-        state, routed.route, parsed.names, parsed.arrays, parsed.outputs, observed
+        state,
+        routed.route,
+        parsed.names,
+        parsed.arrays,
+        parsed.outputs,
+        observed,
+        identity=identity,
+        sched=sched,
     )
     if routed.shadow_version_id is not None:
         after.append(shadow_copy(state, identity, routed, parsed.names, parsed.arrays, answer))
@@ -293,13 +409,15 @@ async def shadow_copy(
 ) -> None:
     """Run the shadow version on the same input after the reply; compare, never return.
 
-    Not rate-limited: shadows never count against the tenant's quota.
+    Not rate-limited: shadows never count against the tenant's quota. It travels in the
+    ``shadow`` class, which agents serve last and shed first.
     """
     # Only a rollout plan sends shadow copies, and route_request sets both from it.
     assert routed.shadow_version_id is not None and routed.plan_id is not None
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
-        result = await run_inference(state, route, names, arrays)
+        sched = Schedule(SHADOW, state.infer_timeout * 1000)
+        result = await run_inference(state, route, names, arrays, identity=identity, sched=sched)
     except (ApiError, RouteMissing, DispatchError) as exc:
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
         answered, agreed, failed = 0, 0, 1

@@ -5,10 +5,19 @@ Never imports Django: it talks to the platform only over the wire protocol in ``
 
 from .__version__ import __version__
 from ._agent import Agent
-from ._batcher import Batcher
+from ._batcher import Batcher, SchedCounts
 from ._cache import ArtifactCache
 from ._connection import AuthRejected, backoff_delay, ws_url
-from ._exceptions import AgentError, BadInput, ChecksumMismatch, NotLoaded, Overloaded
+from ._exceptions import (
+    AgentError,
+    BadInput,
+    Cancelled,
+    ChecksumMismatch,
+    Expired,
+    NotLoaded,
+    Overloaded,
+    OverShare,
+)
 from ._facts import node_facts
 from ._runtime import FunctionRuntime, OnnxRuntime, Runtime, load_runtime, warm_up
 from ._serving import Stats
@@ -20,11 +29,15 @@ __all__ = [
     "AuthRejected",
     "BadInput",
     "Batcher",
+    "Cancelled",
     "ChecksumMismatch",
+    "Expired",
     "FunctionRuntime",
     "NotLoaded",
     "OnnxRuntime",
+    "OverShare",
     "Overloaded",
+    "SchedCounts",
     "Runtime",
     "Stats",
     "__version__",

@@ -178,4 +178,7 @@ class Agent:
             gpus=gpu_use(),
             batch_size_counts=versions.batch_sizes.counts,
             batch_rows_total=versions.batch_sizes.rows_total,
+            expired_total=versions.sched_counts.expired,
+            cancelled_total=versions.sched_counts.cancelled,
+            shed_total=versions.sched_counts.shed,
         )

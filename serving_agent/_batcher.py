@@ -1,20 +1,23 @@
-"""Dynamic batching: one queue per version, requests merged along axis 0 into model runs."""
+"""Dynamic batching and scheduling: per version, queues by priority class and caller, requests
+merged along axis 0 into model runs."""
 
 from __future__ import annotations
 
 import asyncio
 import bisect
 import logging
+import math
 import time
 from collections import deque
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._exceptions import BadInput, NotLoaded, Overloaded
+from ._exceptions import BadInput, Cancelled, Expired, NotLoaded, Overloaded, OverShare
 from ._runtime import Runtime, check_output_rows
-from .protocol import BATCH_SIZE_BOUNDS
+from .protocol import BATCH_SIZE_BOUNDS, INTERACTIVE, PRIORITY_CLASSES, SHADOW
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,22 @@ class BatchSizes:
         self.rows_total += rows
 
 
+# Shadow copies may hold at most this fraction of a version's queue: they are the platform's
+# own extra work and must never crowd out a caller's requests.
+SHADOW_SHARE = 8
+
 # Requests can be concatenated only when all their non-batch dims and dtypes agree.
 _Key = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+@dataclass
+class SchedCounts:
+    """What the scheduler dropped, since the agent started (agents pass one object shared by
+    all their batchers, so the counts outlive an unloaded version; heartbeats report them)."""
+
+    expired: int = 0  # past their deadline before compute
+    cancelled: int = 0  # their caller gave up while they were queued
+    shed: int = 0  # refused or evicted for load (caller share, shadow cap, full queue)
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +65,11 @@ class _Pending:
     queued: float = 0.0  # perf_counter() when it was queued
     queue_s: float = 0.0  # set when its batch runs: waited, and the run's duration
     compute_s: float = 0.0
+    caller: Hashable = 0  # the fairness unit: (tenant id, API key id) from the frame
+    priority: int = INTERACTIVE
+    deadline: float = math.inf  # time.monotonic() past which it is not worth computing
+    request_id: int | None = None
+    in_queue: bool = False
 
 
 def request_rows(inputs: dict[str, np.ndarray]) -> int:
@@ -79,6 +101,16 @@ class Batcher:
     batch runs form the next one. A delay > 0 trades that much latency for fuller batches.
     ``max_batch_size`` caps the rows merged into one run; a single request with more rows than
     that runs alone rather than being refused.
+
+    Scheduling: one queue per priority class, served strictly best class first; inside a
+    class, one queue per caller (a tenant's API key), taken round-robin, so a flooding caller
+    gets its turn and not the whole queue. While another caller has work here, a caller may
+    hold at most ``max_queue_per_caller`` requests queued or running (alone it may use the
+    whole queue: nobody is waiting for the room). Shadow copies hold at most 1/SHADOW_SHARE of
+    the queue. A full queue evicts the newest request of the worst class queued below the
+    newcomer's, or else of the caller holding most in the newcomer's class, before it refuses
+    the newcomer.
+    A request met past its deadline is dropped, never computed.
     """
 
     def __init__(
@@ -88,19 +120,28 @@ class Batcher:
         max_batch_size: int = 32,
         max_queue_delay_ms: float = 0.0,
         max_queue: int = 256,
+        max_queue_per_caller: int = 0,
         inline: bool = False,
         batch_sizes: BatchSizes | None = None,
+        counts: SchedCounts | None = None,
     ) -> None:
         self.runtime = runtime
         self.max_batch_size = max_batch_size
         self.max_queue_delay_ms = max_queue_delay_ms
         self.max_queue = max_queue
+        self.max_queue_per_caller = max_queue_per_caller  # 0: half of max_queue
         self.inline = inline
         self.runs = 0
         # Rows per run, counted per bucket of BATCH_SIZE_BOUNDS; agents pass one list shared by
         # all their batchers, so the counts outlive an unloaded version.
         self.batch_sizes = batch_sizes if batch_sizes is not None else BatchSizes()
-        self._queue: deque[_Pending] = deque()
+        self.counts = counts if counts is not None else SchedCounts()
+        # Per class, caller -> its queued requests; a dict's order is the round-robin turn.
+        self._queues: list[dict[Hashable, deque[_Pending]]] = [{} for _ in PRIORITY_CLASSES]
+        self._class_depth = [0] * len(PRIORITY_CLASSES)
+        self._depth = 0
+        self._caller_load: dict[Hashable, int] = {}  # requests queued or running, per caller
+        self._by_id: dict[int, _Pending] = {}  # queued requests that a cancel frame may name
         self._wakeup = asyncio.Event()
         self._running: list[_Pending] = []
         self._task: asyncio.Task[None] | None = None
@@ -111,7 +152,15 @@ class Batcher:
     @property
     def depth(self) -> int:
         """Requests waiting for a batch (not counting the one running)."""
-        return len(self._queue)
+        return self._depth
+
+    @property
+    def caller_cap(self) -> int:
+        return self.max_queue_per_caller or max(1, self.max_queue // 2)
+
+    @property
+    def shadow_cap(self) -> int:
+        return max(1, self.max_queue // SHADOW_SHARE)
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Queue one request and wait for its outputs (rows of the batch it ran in)."""
@@ -119,29 +168,167 @@ class Batcher:
         return outputs
 
     async def infer_timed(
-        self, inputs: dict[str, np.ndarray]
+        self,
+        inputs: dict[str, np.ndarray],
+        *,
+        caller: Hashable = 0,
+        priority: int = INTERACTIVE,
+        deadline: float = math.inf,
+        request_id: int | None = None,
     ) -> tuple[list[np.ndarray], float, float]:
-        """``infer``, plus the seconds it waited for its batch and the seconds the run took."""
+        """``infer``, plus the seconds it waited for its batch and the seconds the run took.
+
+        ``deadline`` is a ``time.monotonic()`` time; ``request_id`` lets ``cancel`` find it.
+        """
         if self._stopped:
             raise NotLoaded("version unloaded")
-        if len(self._queue) >= self.max_queue:
-            raise Overloaded(f"queue full ({self.max_queue} requests waiting)")
         rows = request_rows(inputs)
         key = tuple(sorted((n, a.shape[1:], a.dtype.str) for n, a in inputs.items()))
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        pending = _Pending(inputs, rows, key, future, time.perf_counter())
-        self._queue.append(pending)
+        pending = _Pending(
+            inputs, rows, key, future, time.perf_counter(), caller=caller, priority=priority
+        )
+        pending.deadline = deadline
+        self._admit(pending)
+        if request_id is not None:
+            pending.request_id = request_id
+            self._by_id[request_id] = pending
+        self._enqueue(pending)
+        self._caller_load[caller] = self._caller_load.get(caller, 0) + 1
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        outputs = await future
+        try:
+            outputs = await future
+        finally:
+            load = self._caller_load[caller] - 1
+            if load:
+                self._caller_load[caller] = load
+            else:
+                del self._caller_load[caller]
+            if pending.in_queue:  # its caller was cancelled while it waited
+                self._unlink(pending)
         return outputs, pending.queue_s, pending.compute_s
+
+    def cancel(self, request_id: int) -> bool:
+        """Remove a queued request whose caller gave up; it is answered ``Cancelled`` and never
+        computed. False when it is not queued here (unknown, running or done)."""
+        pending = self._by_id.get(request_id)
+        if pending is None:
+            return False
+        self._unlink(pending)
+        self.counts.cancelled += 1
+        pending.future.set_exception(Cancelled("the caller gave up before it ran"))
+        return True
+
+    def _admit(self, p: _Pending) -> None:
+        """Make room for ``p`` or raise why it is refused (expired, capped, or queue full)."""
+        if p.deadline <= time.monotonic():
+            self.counts.expired += 1
+            raise Expired("the request's deadline passed before it reached the model")
+        if p.priority == SHADOW and self._class_depth[SHADOW] >= self.shadow_cap:
+            self.counts.shed += 1
+            raise Overloaded(f"shadow copies are capped at {self.shadow_cap} queued requests")
+        held = self._caller_load.get(p.caller, 0)
+        if held >= self.caller_cap and len(self._caller_load) > 1:
+            self.counts.shed += 1
+            raise OverShare(
+                f"this API key holds {held} requests on a version other callers share "
+                f"(at most {self.caller_cap}); slow down and retry"
+            )
+        if self._depth < self.max_queue:
+            return
+        victim, error = self._victim(p)
+        self.counts.shed += 1
+        if victim is None:
+            raise error
+        self._unlink(victim)
+        victim.future.set_exception(error)
+
+    def _victim(self, p: _Pending) -> tuple[_Pending | None, Overloaded]:
+        """What a full queue gives up for ``p``: the newest request of the worst class below
+        ``p``'s, else the newest of the caller holding most of ``p``'s class when that is more
+        than ``p``'s caller holds; None (and ``p`` is refused) when ``p`` is the least worthy."""
+        for cls in range(len(PRIORITY_CLASSES) - 1, p.priority, -1):
+            queues = self._queues[cls]
+            if queues:
+                caller = max(queues, key=lambda t: len(queues[t]))
+                return queues[caller][-1], Overloaded(
+                    f"shed for {PRIORITY_CLASSES[p.priority]} work: the queue is full"
+                )
+        queues = self._queues[p.priority]
+        if queues:
+            caller = max(queues, key=lambda t: self._caller_load.get(t, 0))
+            if self._caller_load.get(caller, 0) > self._caller_load.get(p.caller, 0) + 1:
+                return queues[caller][-1], OverShare(
+                    "shed for another caller: this API key held most of a full queue"
+                )
+        mine = self._caller_load.get(p.caller, 0)
+        if len(self._caller_load) > 1 and mine >= max(self._caller_load.values()):
+            # The newcomer's own caller holds most of the queue: it is the one to slow down.
+            return None, OverShare(
+                f"queue full ({self.max_queue} requests waiting), most of them this API key's"
+            )
+        return None, Overloaded(f"queue full ({self.max_queue} requests waiting)")
+
+    def _enqueue(self, p: _Pending) -> None:
+        queues = self._queues[p.priority]
+        queue = queues.get(p.caller)
+        if queue is None:
+            queue = queues[p.caller] = deque()
+        queue.append(p)
+        p.in_queue = True
+        self._class_depth[p.priority] += 1
+        self._depth += 1
+
+    def _unlink(self, p: _Pending) -> None:
+        """Take a queued request out of its queue (nothing when it is not queued)."""
+        if not p.in_queue:
+            return
+        queues = self._queues[p.priority]
+        queue = queues[p.caller]
+        queue.remove(p)
+        if not queue:
+            del queues[p.caller]
+        self._forget(p)
+
+    def _forget(self, p: _Pending) -> None:
+        p.in_queue = False
+        self._class_depth[p.priority] -= 1
+        self._depth -= 1
+        if p.request_id is not None:
+            self._by_id.pop(p.request_id, None)
+
+    def _head(self) -> _Pending | None:
+        """The request whose turn is next: best class first, callers in turn inside it."""
+        if not self._depth:
+            return None
+        for queues in self._queues:
+            for queue in queues.values():
+                return queue[0]
+        return None
+
+    def _pop(self, p: _Pending) -> None:
+        """Take the head ``p`` and move its caller to the back of its class's turn."""
+        queues = self._queues[p.priority]
+        queue = queues.pop(p.caller)
+        queue.popleft()
+        if queue:
+            queues[p.caller] = queue
+        self._forget(p)
 
     async def stop(self, reason: str = "version unloaded") -> None:
         """Stop batching; every request still waiting or running fails with ``not_loaded``."""
         self._stopped = True
-        stranded = [*self._running, *self._queue]  # read before cancelling clears _running
-        self._queue.clear()
+        queued = [p for queues in self._queues for q in queues.values() for p in q]
+        stranded = [*self._running, *queued]  # read before cancelling clears _running
+        for p in queued:
+            p.in_queue = False
+        for queues in self._queues:
+            queues.clear()
+        self._class_depth = [0] * len(PRIORITY_CLASSES)
+        self._depth = 0
+        self._by_id.clear()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -168,7 +355,7 @@ class Batcher:
         batch: list[_Pending] = []
         rows = 0
         while not batch:
-            while not self._queue:
+            while not self._depth:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             rows = self._take(batch, rows)
@@ -177,7 +364,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_queue_delay_ms / 1000
         while rows < self.max_batch_size:
-            if self._queue:
+            if self._depth:
                 break  # the next request does not fit; it heads the next batch
             self._wakeup.clear()
             try:
@@ -189,15 +376,22 @@ class Batcher:
         return batch
 
     def _take(self, batch: list[_Pending], rows: int) -> int:
-        """Move queued requests into ``batch`` while they fit; returns the batch's rows."""
-        while self._queue:
-            p = self._queue[0]
+        """Move queued requests into ``batch`` in turn while they fit; returns the batch's
+        rows. A request past its deadline is answered ``Expired`` here instead."""
+        now = time.monotonic()
+        while (p := self._head()) is not None:
             if p.future.done():  # its caller gave up (cancelled); nothing to compute
-                self._queue.popleft()
+                self._pop(p)
+                continue
+            if p.deadline <= now:
+                self._pop(p)
+                self.counts.expired += 1
+                p.future.set_exception(Expired("the request's deadline passed in the queue"))
                 continue
             if batch and rows + p.rows > self.max_batch_size:
                 break  # an oversized request still runs, alone
-            batch.append(self._queue.popleft())
+            self._pop(p)
+            batch.append(p)
             rows += p.rows
         return rows
 

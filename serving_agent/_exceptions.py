@@ -23,6 +23,24 @@ class Overloaded(AgentError):
     code: ErrorCode = "overloaded"
 
 
+class OverShare(Overloaded):
+    """The tenant holds its share of a shared version's queue; others are waiting (429)."""
+
+    code: ErrorCode = "over_share"
+
+
+class Expired(AgentError):
+    """The request's deadline passed before it could run; it was never computed."""
+
+    code: ErrorCode = "expired"
+
+
+class Cancelled(AgentError):
+    """The caller gave up (a cancel frame) while the request was queued; never computed."""
+
+    code: ErrorCode = "cancelled"
+
+
 class NotLoaded(AgentError):
     """The version is not ready on this agent (never assigned, still loading, or unloaded)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import struct
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from ._exceptions import AgentError, BadInput, NotLoaded
 from ._signature import check_inputs
 from ._versions import Loaded, LoadedTextGen
 from .protocol import (
+    MAX_BUDGET_MS,
     CancelGenerate,
     GenerateRequest,
     InferRequest,
@@ -132,10 +134,18 @@ class Serving:
         elif isinstance(header, GenerateRequest):
             self.start_generation(header, received)
         elif isinstance(header, CancelGenerate):
-            for engine in self.engines():
-                engine.cancel(header.id)
+            self.cancel(header.id)
         else:
             logger.warning("ignoring %s frame from the platform", type(header).__name__)
+
+    def cancel(self, request_id: int) -> None:
+        """The caller gave up: a queued infer request is removed (and answered "cancelled"
+        by its own task), a stream stops at its next step."""
+        for loaded in self.loaded.values():
+            if isinstance(loaded, LoadedTextGen):
+                loaded.engine.cancel(request_id)
+            elif loaded.batcher.cancel(request_id):
+                return
 
     def start_generation(self, request: GenerateRequest, received: float) -> None:
         """Hand a stream to its version's engine, or answer with the error it gets."""
@@ -162,6 +172,9 @@ class Serving:
         self, request: InferRequest, arrays: list[np.ndarray], received: float
     ) -> None:
         """Run one request and reply with its result or error frame."""
+        # The budget becomes a deadline on this host's clock, counted from the frame's arrival.
+        budget_ms = MAX_BUDGET_MS if request.budget_ms is None else request.budget_ms
+        deadline = time.monotonic() + min(budget_ms, MAX_BUDGET_MS) / 1000
         loaded = self.loaded.get(request.version_id)
         usage = loaded.usage if loaded is not None else None
         del loaded  # an eviction must not find the version still referenced here
@@ -170,7 +183,7 @@ class Serving:
         self.stats.in_flight += 1
         try:
             try:
-                names, outputs, queue_s, compute_s = await self.infer(request, arrays)
+                names, outputs, queue_s, compute_s = await self.infer(request, arrays, deadline)
                 reply = result_frame(request.id, names, outputs, queue_s, compute_s)
             except Exception as exc:  # noqa: BLE001 - every request id gets a reply
                 if request.trace:  # follow one request end to end: the platform's span
@@ -188,7 +201,7 @@ class Serving:
         self.stats.record(time.perf_counter() - received, ok)
 
     async def infer(
-        self, request: InferRequest, arrays: list[np.ndarray]
+        self, request: InferRequest, arrays: list[np.ndarray], deadline: float = math.inf
     ) -> tuple[list[str], list[np.ndarray], float, float]:
         """The requested outputs (names and arrays, in the model's order) for one request, and
         the seconds it waited for its batch and the seconds the batch's run took."""
@@ -206,7 +219,13 @@ class Serving:
         if unknown:
             raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
         check_inputs(loaded.spec.inputs, inputs)
-        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(inputs)
+        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(
+            inputs,
+            caller=(request.tenant, request.key),
+            priority=request.priority,
+            deadline=deadline,
+            request_id=request.id,
+        )
         picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
         return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes
+from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes, SchedCounts
 from ._exceptions import ChecksumMismatch
 from ._generation_stats import GenerationStats
 from ._memory import (
@@ -204,6 +204,7 @@ class VersionSet:
         self.cold_after_s = cold_after_s  # idle this long (and nothing queued): may be evicted
         self.loaded: dict[int, Loaded | LoadedTextGen] = {}
         self.batch_sizes = BatchSizes()  # shared by every version's batcher
+        self.sched_counts = SchedCounts()  # likewise
         # Generation counters of unloaded versions, so the heartbeat's totals never go back.
         self._generation_retired = GenerationStats()
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
@@ -271,6 +272,7 @@ class VersionSet:
         loaded.batcher.max_batch_size = spec.max_batch_size
         loaded.batcher.max_queue_delay_ms = spec.max_queue_delay_ms
         loaded.batcher.max_queue = spec.max_queue
+        loaded.batcher.max_queue_per_caller = spec.max_queue_per_caller
 
     async def load(self, spec: VersionSpec) -> None:
         """Download, verify, make room for, load and warm up one version, reporting each
@@ -328,8 +330,10 @@ class VersionSet:
             max_batch_size=spec.max_batch_size,
             max_queue_delay_ms=spec.max_queue_delay_ms,
             max_queue=spec.max_queue,
+            max_queue_per_caller=spec.max_queue_per_caller,
             inline=latency < INLINE_BELOW_S,
             batch_sizes=self.batch_sizes,
+            counts=self.sched_counts,
         )
         self.loaded[version_id] = Loaded(spec, runtime, batcher, usage)
         logger.info(

@@ -84,6 +84,10 @@ class VersionSpec(BaseModel):
     max_batch_size: int = 32
     max_queue_delay_ms: float = 0.0
     max_queue: int = 256
+    # Requests one caller (a tenant's API key) may hold queued or running on this version
+    # while another caller has work on it (0: half of ``max_queue``), so a flooding caller
+    # cannot fill the queue.
+    max_queue_per_caller: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     generation: GenerationLimits | None = None  # set for textgen versions
     # The platform's estimate of the memory one loaded copy needs (0: unknown, the agent
@@ -218,6 +222,12 @@ class Heartbeat(BaseModel):
     # last bucket is open-ended), and their sum; the platform exports them as a histogram.
     batch_size_counts: list[int] = Field(default_factory=list)
     batch_rows_total: int = 0
+    # The scheduler, since the agent started: requests dropped past their deadline before
+    # compute, removed from the queue because their caller gave up, and shed for load
+    # (refused, or evicted from a full queue by higher-priority or fairer work).
+    expired_total: int = 0
+    cancelled_total: int = 0
+    shed_total: int = 0
 
 
 AgentMessage = Annotated[Hello | Attach | VersionStatus | Heartbeat, Field(discriminator="type")]
@@ -239,12 +249,28 @@ class FrameTensor(msgspec.Struct, frozen=True):
     shape: list[Annotated[int, msgspec.Meta(ge=0)]]  # concrete: a frame has no dynamic dims
 
 
+# Priority classes, best first: the agent's batcher serves a better class strictly first.
+# Shadow copies always travel as ``shadow`` and are shed first.
+PRIORITY_CLASSES = ("critical", "interactive", "batch", "shadow")
+CRITICAL, INTERACTIVE, BATCH, SHADOW = range(len(PRIORITY_CLASSES))
+# The longest budget an agent honours; a larger one (or none) is clamped to it.
+MAX_BUDGET_MS = 3_600_000.0
+
+
 class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     id: int
     version_id: int
     inputs: list[FrameTensor]
     outputs: list[str] | None = None  # names the caller asked for; None means all
     trace: str = ""  # the W3C traceparent of the platform's span, for the agent's logs
+    # Scheduling: whose request it is (the tenant and its API key: the batcher shares a
+    # version fairly between callers), its class, and the time left to answer it in ms,
+    # counted from the frame's arrival (clocks need not agree). A request still queued when
+    # its budget runs out is answered "expired" and never run.
+    tenant: Annotated[int, msgspec.Meta(ge=0)] = 0
+    key: Annotated[int, msgspec.Meta(ge=0)] = 0
+    priority: Annotated[int, msgspec.Meta(ge=0, le=len(PRIORITY_CLASSES) - 1)] = INTERACTIVE
+    budget_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 class InferResult(msgspec.Struct, tag="result", tag_field="type"):
@@ -255,7 +281,12 @@ class InferResult(msgspec.Struct, tag="result", tag_field="type"):
     compute_ms: float = 0.0
 
 
-ErrorCode = Literal["overloaded", "not_loaded", "bad_input", "internal"]
+# "over_share": the caller holds more than its share of a shared version's queue (429);
+# "overloaded": the queue is full of better or fairer work (503); "expired": the budget ran
+# out before compute; "cancelled": the caller gave up (a ``Cancel`` frame) before compute.
+ErrorCode = Literal[
+    "overloaded", "over_share", "not_loaded", "bad_input", "expired", "cancelled", "internal"
+]
 
 
 class InferError(msgspec.Struct, tag="error", tag_field="type"):
@@ -264,7 +295,8 @@ class InferError(msgspec.Struct, tag="error", tag_field="type"):
     message: str
 
 
-# Generation frames (no tensors). Platform -> agent: ``GenerateRequest``, ``CancelGenerate``.
+# Generation frames (no tensors). Platform -> agent: ``GenerateRequest``, ``CancelGenerate``
+# (which also cancels a queued infer request).
 # Agent -> platform: ``TokenChunk`` (one or more tokens of text), then ``GenerateDone``; or an
 # ``InferError`` with the request's id ("bad_input" past the version's token limits,
 # "overloaded" past its concurrent streams).
@@ -283,7 +315,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
 
 
 class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):
-    """Stop decoding this stream at the next step (the client went away)."""
+    """The caller gave up on this request id: a stream stops decoding at its next step, an
+    infer request still queued is removed and answered "cancelled" (one already running
+    finishes; its answer is dropped)."""
 
     id: int
 

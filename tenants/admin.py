@@ -9,8 +9,8 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from .audit import user_actor
-from .keys import create_api_key, revoke_api_key
-from .models import ApiKey, AuditEvent, Membership, Quota, Tenant
+from .keys import create_api_key, revoke_api_key, set_key_priority
+from .models import ApiKey, AuditEvent, KeyPriority, Membership, Quota, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -32,12 +32,40 @@ class TenantAdmin(admin.ModelAdmin):
     inlines = [QuotaInline, MembershipInline]
 
 
+class ApiKeyForm(forms.ModelForm):
+    # Not required: a key created without saying gets the model's default (interactive).
+    priority = forms.TypedChoiceField(
+        choices=KeyPriority.choices,
+        coerce=int,
+        required=False,
+        initial=KeyPriority.INTERACTIVE,
+        help_text=ApiKey._meta.get_field("priority").help_text,
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = ["tenant", "name", "priority"]
+
+    def clean_priority(self) -> int:
+        value = self.cleaned_data.get("priority")
+        return int(value) if isinstance(value, int) else KeyPriority.INTERACTIVE
+
+
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "prefix", "created_at", "last_used_at", "revoked_at"]
-    list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
+    form = ApiKeyForm
+    list_display = [
+        "name",
+        "tenant",
+        "prefix",
+        "priority",
+        "created_at",
+        "last_used_at",
+        "revoked_at",
+    ]
+    list_filter = ["tenant", "priority", ("revoked_at", admin.EmptyFieldListFilter)]
     readonly_fields = ["prefix", "created_by", "created_at", "last_used_at", "revoked_at"]
-    fields = ["tenant", "name", *readonly_fields]
+    fields = ["tenant", "name", "priority", *readonly_fields]
     actions = ["revoke"]
 
     def get_readonly_fields(
@@ -50,9 +78,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm[ApiKey], change: bool
     ) -> None:
         if change:
+            if "priority" in form.changed_data:  # audited, under a row lock
+                set_key_priority(obj, obj.priority, user_actor(request.user))
             super().save_model(request, obj, form, change)
             return
-        key, raw = create_api_key(obj.tenant, obj.name, user_actor(request.user))
+        actor = user_actor(request.user)
+        key, raw = create_api_key(obj.tenant, obj.name, actor, priority=obj.priority)
         obj.pk = key.pk
         obj.prefix = key.prefix
         messages.warning(

@@ -11,7 +11,7 @@ from django.utils import timezone
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 
 from .audit import SYSTEM, Actor, audit
-from .models import ApiKey, Quota, Tenant
+from .models import ApiKey, KeyPriority, Quota, Tenant
 
 KEY_KIND = "sy"
 DEFAULT_QUOTA = Quota(requests_per_second=100.0, burst=200)
@@ -28,9 +28,15 @@ class KeyIdentity:
     burst: int
     max_streams: int = 8
     tokens_per_minute: int = 60_000
+    priority: int = KeyPriority.INTERACTIVE  # the key's default and best scheduling class
 
 
-def create_api_key(tenant: Tenant, name: str, actor: Actor = SYSTEM) -> tuple[ApiKey, str]:
+def create_api_key(
+    tenant: Tenant,
+    name: str,
+    actor: Actor = SYSTEM,
+    priority: int = KeyPriority.INTERACTIVE,
+) -> tuple[ApiKey, str]:
     """Create a key, audited; the raw key is returned once and never stored."""
     prefix, raw = new_token(KEY_KIND)
     with transaction.atomic():
@@ -40,8 +46,10 @@ def create_api_key(tenant: Tenant, name: str, actor: Actor = SYSTEM) -> tuple[Ap
             prefix=prefix,
             key_hash=hash_token(raw),
             created_by_id=actor.user_id,
+            priority=priority,
         )
-        audit(tenant.pk, actor, "key.create", _target(key), after={"name": name, "prefix": prefix})
+        after = {"name": name, "prefix": prefix, "priority": KeyPriority(priority).label}
+        audit(tenant.pk, actor, "key.create", _target(key), after=after)
     return key, raw
 
 
@@ -55,6 +63,28 @@ def revoke_api_key(key: ApiKey, actor: Actor = SYSTEM) -> ApiKey:
             locked.save(update_fields=["revoked_at"])  # save() so change signals fire
             after = {"revoked_at": locked.revoked_at.isoformat()}
             audit(locked.tenant_id, actor, "key.revoke", _target(locked), {}, after)
+    return locked
+
+
+def set_key_priority(key: ApiKey, priority: int, actor: Actor = SYSTEM) -> ApiKey:
+    """Change a key's scheduling class (its default and ceiling), audited; the gateways use
+    it within their refresh interval."""
+    with transaction.atomic():
+        # Row lock: two concurrent changes each audit the value they replaced.
+        locked = ApiKey.objects.select_for_update().get(pk=key.pk)
+        before = KeyPriority(locked.priority).label
+        if locked.priority != priority:
+            locked.priority = priority
+            locked.save(update_fields=["priority"])  # save() so change signals fire
+            after = {"priority": KeyPriority(priority).label}
+            audit(
+                locked.tenant_id,
+                actor,
+                "key.priority",
+                _target(locked),
+                {"priority": before},
+                after,
+            )
     return locked
 
 
@@ -74,10 +104,12 @@ def identify_key(raw: str) -> KeyIdentity | None:
     )
     if row is None or not token_matches(raw, row.key_hash):
         return None
-    return tenant_identity(row.tenant, key_id=row.pk)
+    return tenant_identity(row.tenant, key_id=row.pk, priority=row.priority)
 
 
-def tenant_identity(tenant: Tenant, key_id: int = 0) -> KeyIdentity:
+def tenant_identity(
+    tenant: Tenant, key_id: int = 0, priority: int = KeyPriority.INTERACTIVE
+) -> KeyIdentity:
     """What the data path knows of a tenant: its id, slug and quota (the default if unset)."""
     quota = getattr(tenant, "quota", None) or DEFAULT_QUOTA
     return KeyIdentity(
@@ -88,6 +120,7 @@ def tenant_identity(tenant: Tenant, key_id: int = 0) -> KeyIdentity:
         burst=quota.burst,
         max_streams=quota.max_concurrent_streams,
         tokens_per_minute=quota.tokens_per_minute,
+        priority=priority,
     )
 
 

@@ -78,6 +78,15 @@ class Quota(models.Model):
         return f"{self.tenant}: {self.requests_per_second:g}/s, burst {self.burst}"
 
 
+class KeyPriority(models.IntegerChoices):
+    """The agents' priority classes (``serving_agent.protocol.PRIORITY_CLASSES``), best first."""
+
+    CRITICAL = 0, "critical"
+    INTERACTIVE = 1, "interactive"
+    BATCH = 2, "batch"
+    SHADOW = 3, "shadow"
+
+
 class ApiKey(models.Model):
     """A tenant's API key. Only a hash is kept; the short prefix finds the row without it."""
 
@@ -91,6 +100,13 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # The scheduling class of this key's requests by default, and the best one they may ask
+    # for (a request above it is refused): agents serve a better class first.
+    priority = models.PositiveSmallIntegerField(
+        choices=KeyPriority.choices,
+        default=KeyPriority.INTERACTIVE,
+        help_text="Default and highest priority class of this key's requests.",
+    )
 
     class Meta:
         verbose_name = "API key"

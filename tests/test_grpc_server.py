@@ -41,12 +41,14 @@ class OnnxLink:
         self.state = state
         self.session = ort.InferenceSession(artifact, providers=["CPUExecutionProvider"])
         self.link = AgentLink("in-process", self.receive)
+        self.requests: list[InferRequest] = []  # each frame as the agent received it
         state.pool.add(self.link)
 
     async def receive(self, message: bytes) -> None:
         for frame in unpack_frames(message):
             request, arrays = decode_frame(frame)
             assert isinstance(request, InferRequest)
+            self.requests.append(request)
             feeds = {t.name: a for t, a in zip(request.inputs, arrays, strict=True)}
             outputs = self.session.run(None, feeds)
             self.state.pool.deliver(self.link, result_frame(request.id, ["y"], outputs))
@@ -94,9 +96,10 @@ def serve(
     return async_to_sync(run)()
 
 
-def add_agent(site: Site) -> None:
-    link = OnnxLink(site.state, site.artifact).link
-    site.state.pool.set_ready(link, site.version_id, True)
+def add_agent(site: Site) -> OnnxLink:
+    agent = OnnxLink(site.state, site.artifact)
+    site.state.pool.set_ready(agent.link, site.version_id, True)
+    return agent
 
 
 def bearer(key: str) -> list[tuple[str, str]]:
@@ -340,3 +343,38 @@ def test_the_port_setting_starts_the_server_or_leaves_it_off(settings, site):
     assert async_to_sync(start)() == (None, False)
     settings.SWITCHYARD_GRPC_PORT = free_port()
     assert async_to_sync(start)() == (settings.SWITCHYARD_GRPC_PORT, True)
+
+
+def test_priority_timeout_and_the_grpc_deadline_travel_to_the_agent(site):
+    agents: list[OnnxLink] = []
+
+    async def scenario(address: str) -> Any:
+        agents.append(add_agent(site))  # the only agent: it sees every frame
+        headers = {"authorization": f"Bearer {site.key_a}"}
+        async with triton_aio.InferenceServerClient(address) as client:
+            # Triton's integers: 3 is batch; timeout in microseconds.
+            await client.infer("clf", [x_input(X)], headers=headers, priority=3, timeout=250_000)
+            await client.infer("clf", [x_input(X)], headers=headers, client_timeout=2.0)
+            try:  # the key is interactive: critical is above its ceiling
+                await client.infer("clf", [x_input(X)], headers=headers, priority=1)
+            except InferenceServerException as exc:
+                return exc
+        raise AssertionError("critical was served for an interactive key")
+
+    refused = serve(site, scenario, agent=False)
+    assert refused.status() == "StatusCode.PERMISSION_DENIED"
+    assert "above what this API key may ask for" in refused.message()
+    frames = [r for agent in agents for r in agent.requests]
+    assert [f.priority for f in frames] == [2, 1]  # batch, then the key's interactive
+    assert frames[0].budget_ms == 250.0
+    # The deadline as gRPC carries it (its timeout header rounds up a little), under 10 s.
+    assert frames[1].budget_ms is not None and 1000 < frames[1].budget_ms <= 2100
+    assert all(f.tenant and f.key for f in frames)  # whose request it is, for fairness
+
+
+def test_a_malformed_timeout_parameter_is_invalid_argument(site):
+    request = infer_request(X)
+    request.parameters["timeout"].string_param = "soon"
+    error = call(site, "ModelInfer", request, bearer(site.key_a))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameters.timeout" in error.details()

@@ -25,7 +25,13 @@ from gateway.dispatch import AgentLink
 from gateway.state import GatewayState
 from platform_site.asgi import application
 from serving_agent._serving import result_frame
-from serving_agent.protocol import InferRequest, decode_frame, error_frame, unpack_frames
+from serving_agent.protocol import (
+    INTERACTIVE,
+    InferRequest,
+    decode_frame,
+    error_frame,
+    unpack_frames,
+)
 from tests.factories import make_key, make_model, make_tenant, make_version
 
 pytestmark = pytest.mark.django_db
@@ -325,3 +331,18 @@ def test_the_drf_view_answers_as_the_lean_app_does(served):
     assert answered.json() == lean
     assert answered["x-request-id"] and answered["traceparent"]
     assert refused.status_code == 404 and "not found" in refused.json()["error"]
+
+
+def test_the_keys_class_and_a_shorter_deadline_travel_to_the_agent(served, state):
+    row = {"instances": [[0.1, 0.2, 0.3, 0.4]]}
+    plain, short, bad = calls(
+        Call(row, served.key_a),
+        Call(row, served.key_a, headers=[(b"x-switchyard-timeout-ms", b"250")]),
+        Call(row, served.key_a, headers=[(b"x-switchyard-timeout-ms", b"soon")]),
+    )
+    assert plain[0] == short[0] == 200
+    assert bad[0] == 400 and "x-switchyard-timeout-ms" in bad[2]["error"]
+    first, second = served.agent.requests
+    assert first.priority == second.priority == INTERACTIVE  # the key's class
+    assert first.budget_ms == state.infer_timeout * 1000 and second.budget_ms == 250.0
+    assert first.tenant == served.a.pk and first.key  # whose request it is, for fairness

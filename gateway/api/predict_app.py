@@ -146,13 +146,17 @@ async def _predict(
     )
     data = parse_body(header("content-type"), await read())
     names, arrays, outputs = arrays_from_predict_body(data, route)
+    # The key's class; a deadline shorter than the server's from the header, as on OIP.
+    sched = pipeline.schedule(state, identity, None, header(pipeline.TIMEOUT_HEADER))
     observed.mark("serialization")
     routed = await pipeline.route_request(
         state, identity, route, url.version is not None, lambda h: header(h.lower()), None
     )
     observed.arm = routed.arm
     observed.mark("routing")
-    result = await pipeline.run_inference(state, routed.route, names, arrays, outputs, observed)
+    result = await pipeline.run_inference(
+        state, routed.route, names, arrays, outputs, observed, identity=identity, sched=sched
+    )
     answer: dict[str, Any] = {
         "model": routed.route.model_name,
         "version": routed.route.version,

@@ -9,7 +9,7 @@ from django.db import transaction
 
 from tenants.audit import Actor
 from tenants.keys import create_api_key
-from tenants.models import Quota, Tenant
+from tenants.models import KeyPriority, Quota, Tenant
 
 
 class Command(BaseCommand):
@@ -21,6 +21,12 @@ class Command(BaseCommand):
         parser.add_argument("--rps", type=float, default=100.0, help="requests per second")
         parser.add_argument("--burst", type=int, default=200)
         parser.add_argument("--key-name", default="default")
+        parser.add_argument(
+            "--key-priority",
+            choices=KeyPriority.labels,
+            default=KeyPriority.INTERACTIVE.label,
+            help="the key's scheduling class: its default and the best its requests may ask",
+        )
         parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     def handle(
@@ -30,6 +36,7 @@ class Command(BaseCommand):
         rps: float,
         burst: int,
         key_name: str,
+        key_priority: str,
         json: bool,
         **options: Any,
     ) -> None:
@@ -38,7 +45,9 @@ class Command(BaseCommand):
         with transaction.atomic():
             tenant = Tenant.objects.create(slug=slug, name=name or slug)
             Quota.objects.create(tenant=tenant, requests_per_second=rps, burst=burst)
-            _, raw = create_api_key(tenant, key_name, Actor(None, "create_tenant command"))
+            priority = KeyPriority.labels.index(key_priority)
+            actor = Actor(None, "create_tenant command")
+            _, raw = create_api_key(tenant, key_name, actor, priority=priority)
         if json:
             self.stdout.write(_dumps({"tenant": slug, "api_key": raw}))
         else:
