@@ -281,8 +281,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.session_id is not None:
             # Now, not when the socket's disconnect arrives: other processes route by it.
             self.writes.put(nodes.close_session, self.session_id)
-        await self.close(code=CLOSE_CLAIM_REFUSED)
+        # The record first, then the close: whoever sees the socket closed (the agent, a test,
+        # an operator) finds the session closed too. It is already out of this process's pool.
         await self.writes.flushed()
+        await self.close(code=CLOSE_CLAIM_REFUSED)
 
     async def _send_message(self, message: bytes) -> None:
         await self.base_send({"type": "websocket.send", "bytes": message})
