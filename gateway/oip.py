@@ -124,7 +124,7 @@ async def _infer(
     # unrun if it is still queued (the body is read: the next message is the disconnect).
     task = asyncio.current_task()
     assert task is not None
-    watcher = asyncio.create_task(_cancel_on_disconnect(receive, task))
+    watch = DisconnectWatch(receive, task)
     try:
         routed, outputs = await pipeline.predict(
             state,
@@ -138,11 +138,11 @@ async def _infer(
             sched,
         )
     except asyncio.CancelledError:
-        if not watcher.done() or watcher.cancelled() or task.uncancel():
+        if not watch.client_left or task.uncancel():
             raise  # cancelled from outside (shutdown), not by the client leaving
         raise ApiError(499, "the client disconnected before the answer") from None
     finally:
-        watcher.cancel()
+        watch.stop()
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
     )
@@ -150,10 +150,35 @@ async def _infer(
     return 200, payload, headers
 
 
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
+class DisconnectWatch:
+    """Cancels the request's task if its client hangs up while it waits for the agent.
+
+    The watching task starts only once a request has waited ``WATCH_AFTER_S``: a task per
+    request cost ~0.35 ms of CPU on a 0.6 ms request (oip_bench, 16 connections), and a warm
+    request is answered well before that. A timer is all a fast request pays for.
+    """
+
+    WATCH_AFTER_S = 0.02
+
+    def __init__(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        self.receive, self.task = receive, task
+        self.client_left = False
+        self.watcher: asyncio.Task[None] | None = None
+        self.timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.client_left = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 def model_metadata(route: Route) -> dict[str, Any]:

@@ -290,6 +290,37 @@ def test_a_request_timed_out_at_the_gateway_is_cancelled_at_the_agent_and_never_
     assert counts.cancelled + counts.expired == 1
 
 
+@pytestmark_db
+def test_a_client_that_hangs_up_cancels_its_queued_request_at_the_agent(
+    world: Any, agent: InProcessAgent
+) -> None:
+    agent.gate.clear()
+
+    async def scenario() -> tuple[int, int]:
+        first = asyncio.ensure_future(_post(world.key_a, []))
+        await asyncio.sleep(0.2)  # the first request holds the model
+        second = HttpCommunicator(
+            oip_app,
+            "POST",
+            "/v2/models/clf/infer",
+            body=json.dumps(BODY).encode(),
+            headers=[(b"authorization", f"Bearer {world.key_a}".encode())],
+        )
+        await second.send_input({"type": "http.request", "body": second.body})
+        await asyncio.sleep(0.3)  # queued behind the first, longer than the watch's delay
+        await second.send_input({"type": "http.disconnect"})
+        answer = await second.receive_output(timeout=5)
+        await asyncio.sleep(0.05)  # the cancel frame is sent as the task unwinds
+        agent.gate.set()
+        return (await first)["status"], answer["status"]
+
+    first_status, second_status = async_to_sync(scenario)()
+    assert (first_status, second_status) == (200, 499)
+    assert isinstance(agent.headers[-1], CancelGenerate)
+    assert agent.ran == [1]  # the abandoned request never reached the model
+    assert agent.loaded.batcher.counts.cancelled == 1
+
+
 async def _post(
     key: str, headers: list[tuple[bytes, bytes]], body: dict[str, Any] = BODY
 ) -> dict[str, Any]:
