@@ -149,13 +149,17 @@ async def _predict(
     # The key's class; a deadline shorter than the server's from the header, as on OIP.
     sched = pipeline.schedule(state, identity, None, header(pipeline.TIMEOUT_HEADER))
     observed.mark("serialization")
-    routed = await pipeline.route_request(
-        state, identity, route, url.version is not None, lambda h: header(h.lower()), None
-    )
-    observed.arm = routed.arm
-    observed.mark("routing")
-    result = await pipeline.run_inference(
-        state, routed.route, names, arrays, outputs, observed, identity=identity, sched=sched
+    parsed = pipeline.ParsedInfer(None, names, arrays, outputs, set())
+    routed, result = await pipeline.predict(
+        state,
+        identity,
+        route,
+        url.version is not None,
+        lambda h: header(h.lower()),
+        parsed,
+        observed,
+        reply.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
+        sched,
     )
     answer: dict[str, Any] = {
         "model": routed.route.model_name,
@@ -168,8 +172,6 @@ async def _predict(
     # numpy arrays written by orjson itself: ~10x cheaper than .tolist() and then encoding.
     payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list)
     observed.mark("serialization")
-    if routed.shadow_version_id is not None:
-        reply.after.append(pipeline.shadow_copy(state, identity, routed, names, arrays, result))
     return payload
 
 
