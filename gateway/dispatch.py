@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +37,8 @@ from serving_agent.protocol import (
     pack_frames,
     tensor_of,
 )
+
+from .breakers import Breaker
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ AGENT_ERROR_STATUS = {
 }
 # Statuses that tell the client to come back: they carry Retry-After.
 RETRY_STATUSES = (429, 503)
+# An agent's refusals of work it never started: another replica may take the request.
+NOT_STARTED = ("overloaded", "not_loaded")
 
 
 def status_of(error: InferError) -> int:
@@ -76,6 +81,10 @@ class DispatchError(Exception):
         self.status = status
         self.message = message
         self.retry_after = retry_after
+
+
+class NotSent(DispatchError):
+    """The request never reached an agent (its socket failed under the send): safe to retry."""
 
 
 class SlowClient(DispatchError):
@@ -154,6 +163,8 @@ class AgentLink:
     pending: dict[int, asyncio.Future[AgentReply]] = field(default_factory=dict)
     streams: dict[int, StreamInbox] = field(default_factory=dict)
     outbox: list[bytes] = field(default_factory=list)
+    # Opened by requests that could not be sent, or that this agent never answered.
+    breaker: Breaker = field(default_factory=Breaker)
 
     async def send_frame(self, frame: bytes) -> None:
         """Queue a frame; the first sender of an event-loop turn sends the turn's frames as one
@@ -167,7 +178,13 @@ class AgentLink:
 
 
 class AgentPool:
-    def __init__(self) -> None:
+    def __init__(self, breaker_failures: int = 5, breaker_cooldown_s: float = 5.0) -> None:
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_s = breaker_cooldown_s
+        # A timeout counts against an agent only when the request had (about) the server's
+        # whole budget: a client's own short deadline says nothing about the agent, and must
+        # not let one caller open the breaker on everyone's agent.
+        self.full_budget_s = 10.0
         self._links: list[AgentLink] = []
         self._by_version: dict[int, list[AgentLink]] = {}
         # Ids are unique across processes, so an agent reached through the channel layer can
@@ -178,12 +195,14 @@ class AgentPool:
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
         self._remote_streams: dict[int, StreamInbox] = {}
-        # Requests sent on a link held here, and forwarded through the channel layer.
-        self.dispatched = {"local": 0, "forwarded": 0}
+        # Requests sent on a link held here, forwarded through the channel layer, and sent
+        # again to another replica after the first could not take them.
+        self.dispatched = {"local": 0, "forwarded": 0, "retried": 0}
         self._turn = 0
 
     # Links -------------------------------------------------------------------------------------
     def add(self, link: AgentLink) -> None:
+        link.breaker = Breaker(self.breaker_failures, self.breaker_cooldown_s)
         self._links.append(link)
 
     def set_ready(self, link: AgentLink, version_id: int, ready: bool) -> None:
@@ -260,44 +279,107 @@ class AgentPool:
         timeout, or its task cancelled when the client went away) sends a cancel frame, so a
         queued request is never computed for nobody.
         """
-        request_id = next(self._ids)
-        frame = encode_frame(
-            InferRequest(
-                id=request_id,
-                version_id=version_id,
-                inputs=[tensor_of(n, a) for n, a in zip(names, arrays, strict=True)],
-                outputs=outputs,
-                trace=trace,
-                tenant=tenant,
-                key=key,
-                priority=priority,
-                budget_ms=round(timeout * 1000, 3),
-            ),
-            arrays,
-        )
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[AgentReply] = loop.create_future()
-        links = self._by_version.get(version_id)
-        if links:
-            link = self._pick(links, lambda candidate: len(candidate.pending))
-            link.pending[request_id] = fut
-            self.dispatched["local"] += 1
+        deadline = loop.time() + timeout
+        request = InferRequest(
+            id=0,
+            version_id=version_id,
+            inputs=[tensor_of(n, a) for n, a in zip(names, arrays, strict=True)],
+            outputs=outputs,
+            trace=trace,
+            tenant=tenant,
+            key=key,
+            priority=priority,
+            budget_ms=0.0,
+        )
+        tried: list[AgentLink] = []
+        while True:
+            link = self._local_link(version_id, tried)
+            if link is None:
+                break
             try:
-                await self._send(link.send_frame, frame)
-                return await self._wait(fut, timeout, request_id, link.send_frame)
-            finally:
-                link.pending.pop(request_id, None)
+                left = deadline - loop.time() if tried else timeout
+                reply = await self._infer_on(link, request, arrays, left)
+            except NotSent:
+                if tried or not self._local_link(version_id, [link]):
+                    raise
+                tried.append(link)  # the request never left: another replica may take it
+                self.dispatched["retried"] += 1
+                continue
+            header = reply[0]
+            if (
+                isinstance(header, InferError)
+                and header.code in NOT_STARTED
+                and not tried
+                and deadline - loop.time() > 0.001
+                and self._local_link(version_id, [link]) is not None
+            ):
+                tried.append(link)  # refused unstarted: one more try on another replica
+                self.dispatched["retried"] += 1
+                continue
+            return reply
+        if tried:
+            raise DispatchError(503, "no serving agent could take the request", 1)
         channels = self.remote.get(version_id)
         if channels and self.remote_sender is not None:
-            self._remote_pending[request_id] = fut
+            request.id = next(self._ids)
+            request.budget_ms = round(timeout * 1000, 3)
+            frame = encode_frame(request, arrays)
+            fut: asyncio.Future[AgentReply] = loop.create_future()
+            self._remote_pending[request.id] = fut
             self.dispatched["forwarded"] += 1
             send = partial(self.remote_sender, random.choice(channels))
             try:
                 await self._send(send, frame)
-                return await self._wait(fut, timeout, request_id, send)
+                return await self._wait(fut, timeout, request.id, send)
             finally:
-                self._remote_pending.pop(request_id, None)
+                self._remote_pending.pop(request.id, None)
+        links = self._by_version.get(version_id)
+        if links:  # every agent serving it here has its breaker open
+            now = time.monotonic()
+            wait = min(candidate.breaker.retry_after(now) for candidate in links)
+            raise DispatchError(503, "every serving agent of this version is failing", wait)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
+
+    def _local_link(self, version_id: int, exclude: list[AgentLink]) -> AgentLink | None:
+        """The least loaded link here serving the version whose breaker lets it take work."""
+        now = time.monotonic()
+        links = [
+            link
+            for link in self._by_version.get(version_id, ())
+            if link not in exclude and link.breaker.available(now)
+        ]
+        if not links:
+            return None
+        return self._pick(links, lambda candidate: len(candidate.pending))
+
+    async def _infer_on(
+        self, link: AgentLink, request: InferRequest, arrays: list[np.ndarray], timeout: float
+    ) -> AgentReply:
+        """One try of a request on one link, its outcome told to the link's breaker: a send
+        that failed, or no answer in time, counts against the agent; any answer for it."""
+        request.id = next(self._ids)
+        request.budget_ms = round(timeout * 1000, 3)
+        frame = encode_frame(request, arrays)
+        fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
+        link.pending[request.id] = fut
+        link.breaker.begin(time.monotonic())
+        self.dispatched["local"] += 1
+        try:
+            await self._send(link.send_frame, frame)
+            reply = await self._wait(fut, timeout, request.id, link.send_frame)
+        except DispatchError as exc:
+            if (
+                isinstance(exc, NotSent)
+                or exc.status == 502
+                or (exc.status == 504 and timeout >= self.full_budget_s * 0.99)
+            ):
+                link.breaker.failure(time.monotonic())
+            raise
+        finally:
+            link.pending.pop(request.id, None)
+        link.breaker.success()
+        return reply
 
     async def open_stream(self, request: GenerateRequest) -> StreamInbox:
         """Send a generation to an agent serving the version; its frames arrive on the stream.
@@ -333,7 +415,7 @@ class AgentPool:
         try:
             await send(frame)
         except Exception as exc:  # a socket closing under us surfaces as several types
-            raise DispatchError(502, f"could not reach the serving agent: {exc!r}") from None
+            raise NotSent(502, f"could not reach the serving agent: {exc!r}") from None
 
     @staticmethod
     async def _wait(

@@ -181,6 +181,7 @@ def render_infer(
     outputs: list[tuple[str, np.ndarray]],
     raw: bool,
     arm: str | None = None,
+    degraded: str | None = None,
 ) -> pb.ModelInferResponse:
     reply = pb.ModelInferResponse(
         model_name=route.model_name, model_version=str(route.version), id=request_id or ""
@@ -196,4 +197,6 @@ def render_infer(
             getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(array.ravel().tolist())
     if arm is not None:  # a rollout plan chose the version: say which arm answered
         reply.parameters["arm"].string_param = arm
+    if degraded is not None:  # the model's fallback ladder answered: say which step
+        reply.parameters["degraded"].string_param = degraded
     return reply

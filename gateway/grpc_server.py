@@ -171,7 +171,12 @@ async def _infer(
         sched,
     )
     reply = grpc_codec.render_infer(
-        routed.route, parsed.id, outputs, bool(request.raw_input_contents), routed.arm
+        routed.route,
+        parsed.id,
+        outputs,
+        bool(request.raw_input_contents),
+        routed.arm,
+        routed.degraded,
     )
     observed.mark("serialization")
     return reply

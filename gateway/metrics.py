@@ -92,8 +92,17 @@ TOKENS = Counter(
 DISPATCHED = Counter(
     "switchyard_gateway_dispatched",
     "Requests and streams handed to an agent, by path: local (on an agent link this gateway "
-    "process holds) or forwarded (through the channel layer to the process holding one).",
+    "process holds), forwarded (through the channel layer to the process holding one), or "
+    "retried (sent again to another replica: the first could not be reached or refused it "
+    "unstarted).",
     ["path"],
+)
+DEGRADED = Counter(
+    "switchyard_degraded_answers",
+    "Predictions the version asked for failed and a lower step of the model's fallback ladder "
+    "answered, by the version that failed and the step: fallback (another version) or "
+    "default (the model's default answer).",
+    ["tenant", "model", "version", "step"],
 )
 
 
@@ -187,7 +196,12 @@ class RequestMetrics:
     latency: dict[tuple, _Hist] = field(default_factory=dict)
     stages: dict[tuple, dict[str, _Hist]] = field(default_factory=dict)  # (tenant, model)
     rejected: dict[tuple, int] = field(default_factory=dict)
+    degraded_answers: dict[tuple, int] = field(default_factory=dict)
     _until_stages: int = 0
+
+    def degraded(self, tenant: str, route: Route, step: str) -> None:
+        key = (tenant, route.model_name, str(route.version), step)
+        self.degraded_answers[key] = self.degraded_answers.get(key, 0) + 1
 
     def record(self, observed: Observed, status: int, seconds: float) -> None:
         route = observed.route
@@ -220,6 +234,7 @@ class RequestMetrics:
         latency, self.latency = self.latency, {}
         stages, self.stages = self.stages, {}
         rejected, self.rejected = self.rejected, {}
+        degraded, self.degraded_answers = self.degraded_answers, {}
         for key, n in requests.items():
             REQUESTS.labels(*key).inc(n)
         for key, hist in latency.items():
@@ -229,6 +244,8 @@ class RequestMetrics:
                 _fold_histogram(STAGES.labels(tenant, model, stage), hist)
         for key, n in rejected.items():
             REJECTED.labels(*key).inc(n)
+        for key, n in degraded.items():
+            DEGRADED.labels(*key).inc(n)
 
 
 def _add(hists: dict, key: object, bounds: tuple, value: float) -> None:

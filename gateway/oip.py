@@ -144,7 +144,7 @@ async def _infer(
     finally:
         watch.stop()
     payload, headers = render_infer(
-        routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm
+        routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm, routed.degraded
     )
     observed.mark("serialization")
     return 200, payload, headers

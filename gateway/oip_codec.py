@@ -148,12 +148,17 @@ def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]
     return names, binary
 
 
+# Says a prediction was answered by a lower step of the model's fallback ladder.
+DEGRADED_HEADER = "x-switchyard-degraded"
+
+
 def render_infer(
     route: Route,
     request_id: str | None,
     outputs: list[tuple[str, np.ndarray]],
     binary: set[str],
     arm: str | None = None,
+    degraded: str | None = None,
 ) -> tuple[bytes, list[tuple[str, str]]]:
     """The response body and its extra headers (binary outputs follow the JSON header)."""
     tensors = []
@@ -179,9 +184,15 @@ def render_infer(
     if request_id is not None:
         doc["id"] = request_id
     extra = []
+    parameters = {}
     if arm is not None:  # a rollout plan chose the version: say which arm answered
-        doc["parameters"] = {"arm": arm}
+        parameters["arm"] = arm
         extra.append(("x-switchyard-arm", arm))
+    if degraded is not None:  # the model's fallback ladder answered: say which step
+        parameters["degraded"] = degraded
+        extra.append((DEGRADED_HEADER, degraded))
+    if parameters:
+        doc["parameters"] = parameters
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, [("content-type", "application/json"), *extra]

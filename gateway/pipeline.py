@@ -27,6 +27,7 @@ from serving_agent.protocol import (
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
+from .breakers import Breaker
 from .dispatch import RETRY_STATUSES, DispatchError, status_of
 from .metrics import Observed
 from .routes import InputSpec, Route, RouteMissing
@@ -292,6 +293,17 @@ async def run_inference(
     if observed is not None:
         observed.route = route
         observed.names, observed.arrays = names, arrays
+    breaker = state.version_breakers.get(route.version_id)  # one exists once it failed
+    if breaker is not None:
+        now = time.monotonic()
+        if not breaker.available(now):
+            raise ApiError(
+                503,
+                f"version {route.version} of model {route.model_name!r} is failing; its "
+                "circuit breaker is open",
+                [("Retry-After", str(breaker.retry_after(now)))],
+            )
+        breaker.begin(now)
     try:
         await state.ready(route.version_id)  # holds a cold start; at once when warm
         reply, result = await state.pool.infer(
@@ -309,15 +321,16 @@ async def run_inference(
         if observed is not None:
             observed.mark("dispatch")
         state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
+        _version_outcome(state, route, exc.status, sched)
         raise api_error(exc) from None
-    ok = not isinstance(reply, InferError) or status_of(reply) < 500
-    state.traffic.record(route.version_id, time.perf_counter() - started, ok)
+    status = 200 if isinstance(reply, InferResult) else status_of(reply)
+    state.traffic.record(route.version_id, time.perf_counter() - started, status < 500)
+    _version_outcome(state, route, status, sched)
     if observed is not None:
         observed.mark("dispatch")
         if isinstance(reply, InferResult):
             observed.agent_times(reply.queue_ms, reply.compute_ms)
     if isinstance(reply, InferError):
-        status = status_of(reply)
         retry = [("Retry-After", "1")] if status in RETRY_STATUSES else []
         prefix = "model rejected the input" if status == 400 else f"agent error ({reply.code})"
         raise ApiError(status, f"{prefix}: {reply.message}", retry)
@@ -325,6 +338,27 @@ async def run_inference(
     if observed is not None:
         observed.outputs = answer
     return answer
+
+
+def _version_outcome(state: GatewayState, route: Route, status: int, sched: Schedule) -> None:
+    """Tell the version's breaker how a request went: the version's own failures (an agent
+    error, no answer within the server's whole budget, an agent gone) count against it; an
+    answer, a refused input, a client's own short deadline or shed load do not. A breaker is
+    made on the first failure, so a healthy version costs one dict lookup."""
+    failed = status in (500, 502) or (
+        status == 504 and sched.budget_ms >= state.infer_timeout * 1000 * 0.99
+    )
+    breaker = state.version_breakers.get(route.version_id)
+    if breaker is None:
+        if not failed:
+            return
+        breaker = state.version_breakers[route.version_id] = Breaker(
+            state.pool.breaker_failures, state.pool.breaker_cooldown_s
+        )
+    if failed:
+        breaker.failure(time.monotonic())
+    elif status < 500:
+        breaker.success()
 
 
 @dataclass
@@ -335,6 +369,8 @@ class Routed:
     arm: str | None = None
     plan_id: int | None = None
     shadow_version_id: int | None = None
+    # Set when the fallback ladder answered: "fallback" (another version) or "default".
+    degraded: str | None = None
 
 
 async def route_request(
@@ -384,6 +420,8 @@ async def predict(
     routed = await route_request(state, identity, route, explicit_version, header, parsed.id)
     observed.arm = routed.arm
     observed.mark("routing")
+    if routed.route.degrades:
+        return await _down_the_ladder(state, identity, routed, parsed, observed, after, sched)
     answer = await run_inference(
         state,
         routed.route,
@@ -397,6 +435,136 @@ async def predict(
     if routed.shadow_version_id is not None:
         after.append(shadow_copy(state, identity, routed, parsed.names, parsed.arrays, answer))
     return routed, answer
+
+
+# Failures a lower step of the ladder may answer: the server's, never the client's (a bad
+# input, its rate limit or share, a client that left).
+DEGRADABLE = (500, 502, 503, 504)
+
+
+async def _down_the_ladder(
+    state: GatewayState,
+    identity: KeyIdentity,
+    routed: Routed,
+    parsed: ParsedInfer,
+    observed: Observed,
+    after: After,
+    sched: Schedule,
+) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
+    """``predict`` for a model with a fallback ladder: the version asked for (within the
+    model's primary timeout), then its fallback version (within the fallback timeout), then
+    the default answer. Each step has what is left of the request's deadline at most. A lower
+    step answering is counted as degraded (its own SLI), not as a failed request."""
+    route = routed.route
+    deadline = time.monotonic() + sched.budget_ms / 1000
+    first = _step_schedule(sched, route.primary_timeout_ms, deadline)
+    try:
+        answer = await run_inference(
+            state,
+            route,
+            parsed.names,
+            parsed.arrays,
+            parsed.outputs,
+            observed,
+            identity=identity,
+            sched=first,
+        )
+    except ApiError as exc:
+        if exc.status not in DEGRADABLE:
+            raise
+        failure = exc
+    else:
+        if routed.shadow_version_id is not None:
+            after.append(shadow_copy(state, identity, routed, parsed.names, parsed.arrays, answer))
+        return routed, answer
+    if route.fallback_version_id is not None:
+        fallback = await _fallback_route(state, identity, route, parsed)
+        left_ms = (deadline - time.monotonic()) * 1000
+        if fallback is not None and left_ms >= 1:
+            try:
+                answer = await run_inference(
+                    state,
+                    fallback,
+                    parsed.names,
+                    parsed.arrays,
+                    parsed.outputs,
+                    observed,
+                    identity=identity,
+                    sched=_step_schedule(sched, route.fallback_timeout_ms, deadline),
+                )
+            except ApiError as exc:
+                if exc.status not in DEGRADABLE:
+                    raise
+                failure = exc
+            else:
+                return _degraded(state, observed, routed, fallback, "fallback", failure), answer
+    default = _default_answer(route, parsed.outputs)
+    if default is None:
+        raise failure
+    observed.outputs = default
+    return _degraded(state, observed, routed, route, "default", failure), default
+
+
+def _step_schedule(sched: Schedule, step_ms: int | None, deadline: float) -> Schedule:
+    left_ms = max((deadline - time.monotonic()) * 1000, 1.0)
+    budget = left_ms if step_ms is None else min(left_ms, step_ms)
+    return Schedule(sched.priority, budget)
+
+
+async def _fallback_route(
+    state: GatewayState, identity: KeyIdentity, route: Route, parsed: ParsedInfer
+) -> Route | None:
+    """The fallback version's route, if the request fits its signature (else the ladder
+    skips it: a fallback with other inputs cannot answer this request)."""
+    assert route.fallback_version_id is not None
+    try:
+        fallback = await state.version_route(identity.tenant_id, route.fallback_version_id)
+    except (RouteMissing, DispatchError):
+        return None
+    for name, array in zip(parsed.names, parsed.arrays, strict=True):
+        spec = fallback.input(name)
+        if spec is None or spec.dtype != array.dtype:
+            return None
+        try:
+            check_tensor(spec, array, name)
+        except ApiError:
+            return None
+    if parsed.outputs is not None and not set(parsed.outputs) <= set(fallback.output_names):
+        return None
+    return fallback
+
+
+def _default_answer(route: Route, outputs: list[str] | None) -> list[tuple[str, np.ndarray]] | None:
+    if not route.default_outputs:
+        return None
+    if outputs is None:
+        return list(route.default_outputs)
+    chosen = dict(route.default_outputs)
+    if not set(outputs) <= set(chosen):
+        return None  # the default answer does not hold an output the client asked for
+    return [(name, chosen[name]) for name in outputs]
+
+
+def _degraded(
+    state: GatewayState,
+    observed: Observed,
+    routed: Routed,
+    answered_by: Route,
+    step: str,
+    failure: ApiError,
+) -> Routed:
+    """The routing of a degraded answer; the failed version's request counts as degraded."""
+    state.traffic.degrade(routed.route.version_id)
+    state.metrics.degraded(observed.tenant or "", routed.route, step)
+    log.info(
+        "model %s v%d failed (%d: %s); answered by the %s",
+        routed.route.model_name,
+        routed.route.version,
+        failure.status,
+        failure.message,
+        step if step == "default" else f"fallback v{answered_by.version}",
+    )
+    return Routed(answered_by, routed.arm, routed.plan_id, None, step)
 
 
 async def shadow_copy(

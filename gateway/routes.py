@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from platform_site.errors import NotFound
 from registry.access import model_for, version_for
 from registry.models import Alias, ModelVersion
+from registry.signature import check_default_answer
 from serving_agent.protocol import OIP_TO_NUMPY
 
 DEFAULT_ALIAS = "production"
@@ -42,6 +43,16 @@ class Route:
     # Prediction logging: the share sampled, and {field: "redact" | "hash"} applied first.
     log_sample_rate: float = 0.0
     personal_fields: tuple[tuple[str, str], ...] = ()
+    # The model's fallback ladder (registry.models.Model): the version that answers when this
+    # one fails (never this one), each step's timeout, and the default answer, decoded.
+    fallback_version_id: int | None = None
+    primary_timeout_ms: int | None = None
+    fallback_timeout_ms: int | None = None
+    default_outputs: tuple[tuple[str, np.ndarray], ...] = field(default=(), compare=False)
+
+    @property
+    def degrades(self) -> bool:
+        return self.fallback_version_id is not None or bool(self.default_outputs)
 
     def input(self, name: str) -> InputSpec | None:
         for spec in self.inputs:
@@ -78,13 +89,15 @@ def route_of(version: ModelVersion) -> Route:
             log_sample_rate=log_sample_rate,
             personal_fields=personal_fields,
         )
+    model = version.model
+    fallback = model.fallback_version_id
     return Route(
-        tenant_id=version.model.tenant_id,
-        model_name=version.model.name,
+        tenant_id=model.tenant_id,
+        model_name=model.name,
         version_id=version.pk,
         model_id=version.model_id,
         version=version.version,
-        task=version.model.task,
+        task=model.task,
         inputs=tuple(
             InputSpec(t["name"], t["datatype"], OIP_TO_NUMPY[t["datatype"]], tuple(t["shape"]))
             for t in version.inputs
@@ -93,6 +106,12 @@ def route_of(version: ModelVersion) -> Route:
         feature_names=tuple(version.feature_names),
         log_sample_rate=log_sample_rate,
         personal_fields=personal_fields,
+        fallback_version_id=fallback if fallback != version.pk else None,
+        primary_timeout_ms=model.primary_timeout_ms,
+        fallback_timeout_ms=model.fallback_timeout_ms,
+        default_outputs=tuple(check_default_answer(model.default_answer))
+        if model.default_answer
+        else (),
     )
 
 

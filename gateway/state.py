@@ -30,6 +30,7 @@ from tenants.keys import KeyIdentity, identify_key, record_key_use
 from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
 from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
+from .breakers import Breaker
 from .db import db_call
 from .dispatch import AgentLink, AgentPool, DispatchError
 from .links import LinkListener
@@ -56,13 +57,19 @@ Progress = Callable[[dict], Awaitable[None]]
 
 class GatewayState:
     def __init__(self) -> None:
-        self.pool = AgentPool()
+        self.pool = AgentPool(
+            settings.SWITCHYARD_BREAKER_FAILURES, settings.SWITCHYARD_BREAKER_COOLDOWN_S
+        )
         self.limiter: LocalLimiter | RedisLeaseLimiter = (
             RedisLeaseLimiter(settings.REDIS_URL, settings.SWITCHYARD_RATE_LEASE_FRACTION)
             if settings.REDIS_URL
             else LocalLimiter()
         )
         self.infer_timeout = settings.SWITCHYARD_INFER_TIMEOUT_S
+        self.pool.full_budget_s = self.infer_timeout
+        # One breaker per version (gateway.breakers): a version failing every request on
+        # every agent is skipped for the next step of its model's fallback ladder.
+        self.version_breakers: dict[int, Breaker] = {}
         self.max_body = settings.SWITCHYARD_MAX_BODY_BYTES
         self._interval = settings.SWITCHYARD_REFRESH_INTERVAL_S
         self._keys: dict[str, KeyIdentity | None] = {}

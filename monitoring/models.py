@@ -23,6 +23,9 @@ class TrafficSample(models.Model):
     window_end = models.DateTimeField(db_index=True)
     requests = models.PositiveIntegerField()
     errors = models.PositiveIntegerField()
+    # Of the errors, those a lower step of the model's fallback ladder answered: the version
+    # failed (guardrails count them), the client got a degraded answer (the SLOs do not).
+    degraded = models.PositiveIntegerField(default=0)
     latency_buckets = models.JSONField()
 
     class Meta:

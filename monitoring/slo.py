@@ -4,7 +4,9 @@ the SLO window, the error budget left, burn rates, and multi-window burn-rate al
 Two SLIs per model:
 
 - availability: the share of requests answered without a server error (``1 − errors/requests``),
-  against ``Model.slo_availability``;
+  against ``Model.slo_availability``. A version's failure that the model's fallback ladder
+  answered (a degraded answer) is not an availability failure: it is reported as its own
+  share, ``degraded``, beside the two SLIs;
 - latency: the share of requests answered within ``Model.slo_latency_ms``, against
   ``Model.slo_latency_target``. Latencies are only known as histogram buckets
   (``monitoring.traffic.LATENCY_BOUNDS_MS``, bucket i holding (bound[i-1], bound[i]]), so a request
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import BigIntegerField, Q, Sum, Value
+from django.db.models import BigIntegerField, F, Q, Sum, Value
 from django.db.models.expressions import Expression
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Coalesce, TruncMinute
@@ -61,8 +63,9 @@ class WindowCounts:
     """Requests over some window: how many, how many failed, how many were fast enough."""
 
     requests: int = 0
-    errors: int = 0
+    errors: int = 0  # not counting degraded answers
     fast: int = 0
+    degraded: int = 0
 
     def bad(self, sli: str) -> int:
         return self.errors if sli == "availability" else self.requests - self.fast
@@ -123,8 +126,9 @@ def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
     for name, span in windows.items():
         within = Q(window_end__gt=now - span)
         sums[f"{name}:requests"] = Sum("requests", filter=within)
-        sums[f"{name}:errors"] = Sum("errors", filter=within)
+        sums[f"{name}:errors"] = Sum(F("errors") - F("degraded"), filter=within)
         sums[f"{name}:fast"] = Sum(fast, filter=within)
+        sums[f"{name}:degraded"] = Sum("degraded", filter=within)
     rows = TrafficSample.objects.filter(
         version__model_id=model.pk,
         window_end__gt=now - max(windows.values()),
@@ -133,7 +137,10 @@ def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
     got = rows.aggregate(**sums)
     return {
         name: WindowCounts(
-            got[f"{name}:requests"] or 0, got[f"{name}:errors"] or 0, got[f"{name}:fast"] or 0
+            got[f"{name}:requests"] or 0,
+            got[f"{name}:errors"] or 0,
+            got[f"{name}:fast"] or 0,
+            got[f"{name}:degraded"] or 0,
         )
         for name in windows
     }
@@ -170,6 +177,13 @@ def model_slos(model: Model, now: datetime | None = None) -> dict:
         "model_id": model.pk,
         "window_days": settings.SWITCHYARD_SLO_WINDOW_DAYS,
         "slis": [sli_status(model, sli, tallies) for sli in SLIS],
+        # Answers the fallback ladder gave over the SLO window (their own SLI, no objective).
+        "degraded": tallies["slo"].degraded,
+        "degraded_share": (
+            round(tallies["slo"].degraded / tallies["slo"].requests, 6)
+            if tallies["slo"].requests
+            else None
+        ),
     }
 
 
@@ -189,7 +203,7 @@ def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HO
         .values("minute")
         .annotate(
             requests=Sum("requests"),
-            errors=Sum("errors"),
+            errors=Sum(F("errors") - F("degraded")),
             fast=Sum(fast_expression(model.slo_latency_ms)),
         )
     )

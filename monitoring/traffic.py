@@ -23,6 +23,7 @@ LATENCY_BOUNDS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 
 class Counts:
     requests: int = 0
     errors: int = 0
+    degraded: int = 0  # errors a lower step of the model's fallback ladder answered
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_MS) + 1))
 
     def add(self, seconds: float, ok: bool) -> None:
@@ -42,6 +43,13 @@ class TrafficCounter:
             counts = self._counts[version_id] = Counts()
         counts.add(seconds, ok)
 
+    def degrade(self, version_id: int) -> None:
+        """The version's last failed request was answered by its model's fallback ladder."""
+        counts = self._counts.get(version_id)
+        if counts is None:
+            counts = self._counts[version_id] = Counts()
+        counts.degraded += 1
+
     def drain(self) -> dict[int, Counts]:
         counts, self._counts = self._counts, {}
         return counts
@@ -55,6 +63,7 @@ def save_samples(counts: dict[int, Counts]) -> None:
             window_end=now,
             requests=c.requests,
             errors=c.errors,
+            degraded=c.degraded,
             latency_buckets=c.buckets,
         )
         for vid, c in counts.items()

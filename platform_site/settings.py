@@ -273,6 +273,10 @@ SPECTACULAR_SETTINGS = {
 # Data path ---------------------------------------------------------------------------------
 # Deadline for one inference through an agent; past it the client gets 504.
 SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
+# Circuit breakers (per agent link and per version): this many consecutive failures open one,
+# and for this long nothing is sent there; then one probe request decides (see gateway.breakers).
+SWITCHYARD_BREAKER_FAILURES = env_int("SWITCHYARD_BREAKER_FAILURES", 5)
+SWITCHYARD_BREAKER_COOLDOWN_S = env_float("SWITCHYARD_BREAKER_COOLDOWN_S", 5)
 # How often each gateway process checks whether keys, routes or agents changed.
 SWITCHYARD_REFRESH_INTERVAL_S = env_float("SWITCHYARD_REFRESH_INTERVAL_S", 0.5)
 # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).

@@ -10,6 +10,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from .signature import SignatureError, check_default_answer
+
 name_validator = RegexValidator(
     r"^[a-z0-9][a-z0-9._-]{0,99}$",
     "Use lowercase letters, digits, '.', '_' and '-', starting with a letter or digit.",
@@ -53,6 +55,25 @@ class Model(models.Model):
     slo_latency_target = models.FloatField(
         default=0.99, validators=[MinValueValidator(0.5), MaxValueValidator(0.99999)]
     )
+    # The fallback ladder (see gateway.pipeline.predict): when the version asked for fails
+    # (a server error, no agent, breaker open, too slow), another version of this model answers;
+    # when that fails too, the default answer does, if the owner set one. Each step has its own
+    # timeout (empty: what is left of the request's deadline).
+    fallback_version = models.ForeignKey(
+        "registry.ModelVersion",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="fallback_for",
+    )
+    primary_timeout_ms = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(600_000)]
+    )
+    fallback_timeout_ms = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(600_000)]
+    )
+    # OIP v2 output tensors [{"name", "datatype", "shape", "data"}], answered as is.
+    default_answer = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -67,6 +88,21 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant}/{self.name}"
+
+    def clean(self) -> None:
+        if self.fallback_version_id is not None:
+            fallback = self.fallback_version
+            if fallback is None or fallback.model_id != self.pk:
+                raise ValidationError({"fallback_version": "must be a version of this model"})
+            if fallback.generates_text:
+                raise ValidationError(
+                    {"fallback_version": "a text-generation version cannot be a fallback"}
+                )
+        if self.default_answer is not None:
+            try:
+                check_default_answer(self.default_answer)
+            except SignatureError as exc:  # the admin's form shows a ValidationError
+                raise ValidationError({"default_answer": f"{exc.field}: {exc}"}) from None
 
 
 class ArtifactFormat(models.TextChoices):

@@ -9,10 +9,12 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
 from django.db import transaction
-from django.db.models import Max, QuerySet
+from django.db.models import Max, Q, QuerySet
 
+from platform_site.errors import NotFound
 from tenants.audit import SYSTEM, Actor, audit
 
+from .access import version_for
 from .models import Alias, ArtifactFormat, Model, ModelVersion
 from .signature import (
     SignatureError,
@@ -58,6 +60,8 @@ MONITORING_FIELDS = (
     "slo_latency_ms",
     "slo_latency_target",
 )
+# The fallback ladder (``Model.fallback_version`` and the rest): set like the settings above.
+LADDER_FIELDS = ("fallback_version", "primary_timeout_ms", "fallback_timeout_ms", "default_answer")
 PERSONAL_RULES = ("redact", "hash")
 # What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
 # architecture; streams speak the generation protocol, not tensors).
@@ -184,10 +188,17 @@ def check_personal_fields(version: ModelVersion, fields: object) -> dict[str, st
 
 
 def update_model_settings(model: Model, changes: dict[str, Any]) -> Model:
-    """Change a model's description or monitoring settings (its name and task stay)."""
-    refused = sorted(set(changes) - set(MONITORING_FIELDS))
+    """Change a model's description, monitoring settings or fallback ladder (its name and task
+    stay). ``fallback_version`` is a version number of this model, or None."""
+    refused = sorted(set(changes) - set(MONITORING_FIELDS) - set(LADDER_FIELDS))
     if refused:
         raise SignatureError(refused[0], "cannot change; a model's name and task are fixed")
+    if "fallback_version" in changes:
+        number = changes.pop("fallback_version")
+        try:
+            model.fallback_version = None if number is None else version_for(model, number)
+        except NotFound as exc:
+            raise SignatureError("fallback_version", str(exc)) from None
     for field, value in changes.items():
         setattr(model, field, value)
     model.full_clean(exclude=["tenant"], validate_unique=False)
@@ -218,8 +229,13 @@ def set_alias(
 
 
 def served_versions(tenant_id: int | None = None) -> QuerySet[ModelVersion]:
-    """Versions that some alias points at: what agents must serve (optionally for one tenant)."""
-    qs = ModelVersion.objects.filter(aliases__isnull=False).select_related("model").distinct()
+    """Versions that some alias points at, and models' fallback versions (they must be warm
+    when their model fails): what agents must serve (optionally for one tenant)."""
+    qs = (
+        ModelVersion.objects.filter(Q(aliases__isnull=False) | Q(fallback_for__isnull=False))
+        .select_related("model")
+        .distinct()
+    )
     if tenant_id is not None:
         qs = qs.filter(model__tenant_id=tenant_id)
     return qs.order_by("pk")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -108,3 +110,44 @@ def check_declared_matches(declared: list[dict], actual: list[dict], field: str)
                 f"{t['name']!r} is declared with shape {t['shape']} "
                 f"but the artifact has {real['shape']}",
             )
+
+
+MAX_DEFAULT_VALUES = 4096  # a default answer is a small constant, not a dataset
+
+
+def check_default_answer(answer: Any) -> list[tuple[str, np.ndarray]]:
+    """A model's default answer (OIP v2 output tensors ``[{name, datatype, shape, data}]``,
+    ``data`` flat in row-major order) as (name, array) pairs; refuses anything else."""
+    field = "default_answer"
+    if not isinstance(answer, list) or not answer:
+        raise SignatureError(field, "must be a non-empty list of {name, datatype, shape, data}")
+    out: list[tuple[str, np.ndarray]] = []
+    for i, t in enumerate(answer):
+        where = f"{field}[{i}]"
+        if not isinstance(t, dict) or set(t) != {"name", "datatype", "shape", "data"}:
+            raise SignatureError(where, "must be an object with name, datatype, shape and data")
+        name, datatype, shape, data = t["name"], t["datatype"], t["shape"], t["data"]
+        if not isinstance(name, str) or not name or name in {n for n, _ in out}:
+            raise SignatureError(f"{where}.name", "must be a non-empty string, given once")
+        if datatype not in OIP_TO_NUMPY or datatype == "BYTES":
+            raise SignatureError(
+                f"{where}.datatype", f"must be a numeric OIP datatype; got {datatype!r}"
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DEFAULT_VALUES
+            for d in shape
+        ):
+            raise SignatureError(f"{where}.shape", "must be a list of non-negative integers")
+        size = math.prod(shape)
+        if size > MAX_DEFAULT_VALUES:
+            raise SignatureError(f"{where}.shape", f"at most {MAX_DEFAULT_VALUES} values")
+        if not isinstance(data, list) or len(data) != size:
+            raise SignatureError(f"{where}.data", f"must be a flat list of {size} values")
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in data):
+            raise SignatureError(f"{where}.data", "must hold finite numbers only")
+        try:
+            array = np.array(data, dtype=OIP_TO_NUMPY[datatype]).reshape(shape)
+        except (OverflowError, ValueError) as exc:
+            raise SignatureError(f"{where}.data", f"does not fit {datatype}: {exc}") from None
+        out.append((name, array))
+    return out

@@ -31,6 +31,7 @@ from ..asgi_io import error_body, header, read_body, respond
 from ..asgi_types import Receive, Scope, Send
 from ..dispatch import in_background
 from ..metrics import Observed
+from ..oip_codec import DEGRADED_HEADER
 from ..pipeline import ApiError
 from ..predict_codec import arrays_from_predict_body
 from ..state import GatewayState, get_state
@@ -169,6 +170,9 @@ async def _predict(
     }
     if routed.arm is not None:
         answer["arm"] = routed.arm
+    if routed.degraded is not None:  # the model's fallback ladder answered: say which step
+        answer["degraded"] = routed.degraded
+        reply.headers.append((DEGRADED_HEADER, routed.degraded))
     # numpy arrays written by orjson itself: ~10x cheaper than .tolist() and then encoding.
     payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list)
     observed.mark("serialization")

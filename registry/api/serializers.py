@@ -12,16 +12,25 @@ from rest_framework import serializers
 
 from ..models import Alias, ArtifactFormat, Model, ModelVersion
 from ..reference import normalize_reference, rows_from_csv
-from ..services import MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
+from ..services import LADDER_FIELDS, MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
 
 
 class ModelSerializer(serializers.ModelSerializer):
     aliases = serializers.SerializerMethodField()
+    fallback_version = serializers.IntegerField(
+        source="fallback_version.version", read_only=True, default=None, allow_null=True
+    )
 
     class Meta:
         model = Model
-        fields = ["name", "task", *MONITORING_FIELDS, "created_at", "aliases"]
-        read_only_fields = ["created_at", "aliases"]
+        fields = ["name", "task", *MONITORING_FIELDS, *LADDER_FIELDS, "created_at", "aliases"]
+        read_only_fields = [
+            "created_at",
+            "aliases",
+            "primary_timeout_ms",
+            "fallback_timeout_ms",
+            "default_answer",
+        ]
         # Uniqueness per tenant is checked in the view, which knows the tenant.
         validators: list[Callable[..., None]] = []
 
@@ -191,8 +200,11 @@ class AliasSerializer(serializers.Serializer):
 
 
 class ModelUpdateSerializer(serializers.ModelSerializer):
-    """A model's description and monitoring settings; its name and task are fixed."""
+    """A model's description, monitoring settings and fallback ladder; its name and task are
+    fixed. ``fallback_version`` is a version number of this model (null: none)."""
+
+    fallback_version = serializers.IntegerField(min_value=1, allow_null=True, required=False)
 
     class Meta:
         model = Model
-        fields = list(MONITORING_FIELDS)
+        fields = [*MONITORING_FIELDS, *LADDER_FIELDS]

@@ -18,6 +18,7 @@ from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
 from ..access import model_for, models_of, version_for
+from ..models import Model
 from ..reference import set_reference_upload
 from .serializers import (
     ModelSerializer,
@@ -63,14 +64,16 @@ class ModelDetailView(APIView):
         model = model_for(request.caller.tenant_id, name)
         if not isinstance(request.data, dict):
             raise ValidationError({"body": "must be a JSON object"})
-        fixed = sorted(set(request.data) - set(services.MONITORING_FIELDS))
+        fixed = sorted(
+            set(request.data) - set(services.MONITORING_FIELDS) - set(services.LADDER_FIELDS)
+        )
         if fixed:
             raise ValidationError(
                 {f: "cannot change; a model's name and task are fixed" for f in fixed}
             )
         changes = ModelUpdateSerializer(model, data=request.data, partial=True)
         changes.is_valid(raise_exception=True)
-        before = {f: getattr(model, f) for f in changes.validated_data}
+        before = {f: _setting(model, f) for f in changes.validated_data}
         with transaction.atomic():
             updated = services.update_model_settings(model, dict(changes.validated_data))
             audit(
@@ -79,7 +82,7 @@ class ModelDetailView(APIView):
                 "model.update",
                 model.name,
                 before,
-                {f: getattr(updated, f) for f in before},
+                {f: _setting(updated, f) for f in before},
             )
         return Response(ModelSerializer(updated).data)
 
@@ -152,3 +155,10 @@ class VersionDetailView(APIView):
         raise ValidationError(
             {"version": "model versions are immutable; upload a new version instead"}
         )
+
+
+def _setting(model: Model, field: str) -> object:
+    """A model setting as the audit log records it (the fallback by its version number)."""
+    if field == "fallback_version":
+        return model.fallback_version.version if model.fallback_version else None
+    return getattr(model, field)
