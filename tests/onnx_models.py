@@ -54,3 +54,39 @@ def slow_onnx(width: int = 1024, depth: int = 24) -> bytes:
             return self.out(h)
 
     return _export(Slow(), 4)
+
+
+def poisoned_onnx(threshold: float = 100.0) -> bytes:
+    """A 4 → 2 model that fails at run time (ONNX Runtime raises) on any batch holding a value
+    over ``threshold``, and answers otherwise: a version that errors on every request of a
+    client sending such rows, while the agent's warm-up (zeros) passes. It reshapes its input
+    to rows of ``4 + (max(x) > threshold)`` values, which 4 values a row cannot fill."""
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+        helper.make_node("Greater", ["peak", "threshold"], ["poisoned"]),
+        helper.make_node("Cast", ["poisoned"], ["extra"], to=TensorProto.INT64),
+        helper.make_node("Add", ["four", "extra"], ["width"]),
+        helper.make_node("Unsqueeze", ["width", "zero_axis"], ["width_1d"]),
+        helper.make_node("Concat", ["minus_one", "width_1d"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["rows"]),
+        helper.make_node("MatMul", ["rows", "weights"], ["y"]),
+    ]
+    initializers = [
+        helper.make_tensor("threshold", TensorProto.FLOAT, [], [threshold]),
+        helper.make_tensor("four", TensorProto.INT64, [], [4]),
+        helper.make_tensor("zero_axis", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("weights", TensorProto.FLOAT, [4, 2], [0.1 * i for i in range(8)]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "poisoned",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
