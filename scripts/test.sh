@@ -3,7 +3,8 @@
 #  1. unit and API tests on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, or the local servers
 #     on 127.0.0.1), on two workers;
 #  2. the end-to-end tests, which start real processes and run every platform they start on
-#     both backends: the embedded default (SQLite, no Redis) and PostgreSQL + Redis;
+#     both backends: the embedded default (SQLite, no Redis) and PostgreSQL + Redis; on two
+#     workers, except those marked serial (timing-sensitive), which run alone afterwards;
 #  3. on the embedded default again, the tests marked `backends`: those where the database's
 #     or Redis's own behaviour matters (see the README).
 # Without reachable PostgreSQL/Redis everything runs once, on the embedded default.
@@ -22,11 +23,15 @@ if $PY scripts/services_up.py; then
   echo "== unit and API tests: PostgreSQL + Redis ($DATABASE_URL $REDIS_URL)"
   pytest -m "not e2e" -n "$WORKERS" "$@"
   echo "== end-to-end tests: real processes on the embedded default and on PostgreSQL + Redis"
-  pytest -m e2e "$@"
+  # Two workers, a module's tests on one (its platform is started once per module); then the
+  # timing-sensitive ones (marked serial) alone.
+  pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "$@"
+  pytest -m "e2e and serial" "$@"
   echo "== where the backend matters, again on the embedded default (SQLite, in-process layers)"
   embedded pytest -m "backends and not e2e" -n "$WORKERS" "$@"
 else
   echo "== PostgreSQL/Redis not reachable: everything on the embedded default"
   embedded pytest -m "not e2e" -n "$WORKERS" "$@"
-  embedded pytest -m e2e "$@"
+  embedded pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "$@"
+  embedded pytest -m "e2e and serial" "$@"
 fi

@@ -25,7 +25,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-_redis_db = itertools.cycle(range(1, 16))  # each backend flushes the one it takes
+# Each backend flushes the Redis database it takes: pytest-xdist workers take from their own
+# ranges (tests/workers.py keeps 14 and 15 for the unit tests' workers).
+_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+_redis_db = itertools.cycle(range(1 + 6 * (_worker % 2), 7 + 6 * (_worker % 2)))
 
 
 def services_available() -> bool:

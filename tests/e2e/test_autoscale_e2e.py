@@ -26,7 +26,7 @@ from tests.onnx_models import slow_onnx
 from .conftest import BACKENDS, make_backend, upload_and_promote
 from .harness import create_tenant, free_port, start_celery, start_server, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 HOLD_S = 25
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.1] * 4}]}

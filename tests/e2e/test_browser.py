@@ -17,7 +17,7 @@ from tests.onnx_models import small_onnx
 from .conftest import BACKENDS, platform_with_agent, upload_and_promote, wait_ready
 from .harness import ROOT, create_tenant, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -21,7 +21,7 @@ from tests.onnx_models import slow_onnx
 from .conftest import platform_with_agent, upload_and_promote, wait_ready
 from .harness import Backend, create_tenant
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.3] * 4}]}
 FLOOD = 24  # concurrent requests of the flooding key, more than its share of the queue (8)

@@ -12,7 +12,7 @@ from tests.onnx_models import small_onnx
 from .conftest import plan_towards_slow_candidate, platform_with_agent, upload_and_promote
 from .harness import create_tenant, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 # 48 rows: the slow candidate takes ~250 ms on them, the baseline ~1 ms, so the p99 ratio is
 # far past the threshold even if a baseline request meets a GC pause.

@@ -18,7 +18,7 @@ from tests.onnx_models import small_onnx
 from .conftest import make_backend, upload_and_promote, wait_ready
 from .harness import create_node, create_tenant, free_port, start_agent, start_server, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.1] * 4}]}
 OUTAGE_S = 10

@@ -28,7 +28,7 @@ from .harness import (
     wait_until,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 THREADS_PER_GATEWAY = 2
 RECOVERY_S = 20  # the agent's reconnect backoff (up to 8 s by then) plus the process's start
