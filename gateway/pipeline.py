@@ -342,10 +342,11 @@ async def run_inference(
 
 def _version_outcome(state: GatewayState, route: Route, status: int, sched: Schedule) -> None:
     """Tell the version's breaker how a request went: the version's own failures (an agent
-    error, no answer within the server's whole budget, an agent gone) count against it; an
-    answer, a refused input, a client's own short deadline or shed load do not. A breaker is
-    made on the first failure, so a healthy version costs one dict lookup."""
-    failed = status in (500, 502) or (
+    error, no answer within the server's whole budget) count against it; an answer, a refused
+    input, a client's own short deadline or shed load do not, nor does an agent gone (502: its
+    link's breaker and the pool deal with that, and a restarted agent must serve at once). A
+    breaker is made on the first failure, so a healthy version costs one dict lookup."""
+    failed = status == 500 or (
         status == 504 and sched.budget_ms >= state.infer_timeout * 1000 * 0.99
     )
     breaker = state.version_breakers.get(route.version_id)
