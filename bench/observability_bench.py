@@ -265,7 +265,8 @@ def main() -> None:
     rows: list[dict] = []
     db = None
     try:
-        creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
+        backend.manage("bootstrap_demo")  # writes its credentials to demo.json, 0600
+        creds = json.loads((backend.var_dir / "demo.json").read_text())
         backend.shell(SETUP)
         db = Database(backend.env["DATABASE_URL"])
         key = creds["api_key"]

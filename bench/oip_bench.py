@@ -222,7 +222,8 @@ def main() -> None:
     backend = services_backend(tmp)
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # the text model plays no part here
     # Training the demo model takes minutes on a busy machine, past manage()'s default.
-    creds = json.loads(backend.manage("bootstrap_demo", timeout=900).strip().splitlines()[-1])
+    backend.manage("bootstrap_demo", timeout=900)  # writes its credentials to demo.json, 0600
+    creds = json.loads((backend.var_dir / "demo.json").read_text())
     key, token = creds["api_key"], creds["node_token"]
     artifact = backend.shell(
         "from registry.models import ModelVersion;"

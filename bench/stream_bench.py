@@ -147,7 +147,8 @@ def main() -> None:
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # speed does not depend on training
     running: list[Proc] = []
     try:
-        creds = json.loads(backend.manage("bootstrap_demo").strip().splitlines()[-1])
+        backend.manage("bootstrap_demo")  # writes its credentials to demo.json, 0600
+        creds = json.loads((backend.var_dir / "demo.json").read_text())
         key, token = creds["api_key"], creds["node_token"]
         artifact = Path(
             backend.shell(

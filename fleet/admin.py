@@ -1,5 +1,6 @@
-"""Admin for nodes (a new token is shown once), their agents' sessions, pools, deployments
-(changed through the same audited functions as the API) and the autoscaler's decisions."""
+"""Admin for nodes (a new token is shown once, in the response page itself), their agents'
+sessions, pools, deployments (changed through the same audited functions as the API) and the
+autoscaler's decisions."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from django.conf import settings
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.db.models import Count, Q, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 from django.utils import timezone
 
 from tenants.audit import user_actor
+from tenants.shown_once import remember, shown_once_page
 
 from .deployments import (
     SETTINGS,
@@ -52,18 +55,29 @@ class NodeAdmin(admin.ModelAdmin):
             return
         node, raw = create_node(obj.name, obj.tenant)
         obj.pk = node.pk
-        messages.warning(
+        remember(request, f"Token of node {node}", raw)
+        remember(
             request,
-            f"Node created. Start its agent with: python -m serving_agent --platform "
-            f"{request.scheme}://{request.get_host()} --token {raw} (shown once)",
+            "Start its agent with (or keep the token in a 0600 file and pass --token-file):",
+            f"python -m serving_agent --platform {request.scheme}://{request.get_host()} "
+            f"--token {raw}",
         )
 
+    def response_add(
+        self, request: HttpRequest, obj: Node, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        # The token is shown in this response, never through the messages cookie of a redirect.
+        page = shown_once_page(request, "Node created", "the token", self._changelist())
+        return page or super().response_add(request, obj, post_url_continue)
+
     @admin.action(description="Rotate the token of the selected node")
-    def rotate_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+    def rotate_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> HttpResponse | None:
         for node in queryset:
-            messages.warning(
-                request, f"New token for {node}: {rotate_node_token(node)} (shown once)"
-            )
+            remember(request, f"New token of node {node}", rotate_node_token(node))
+        return shown_once_page(request, "Node tokens rotated", "the tokens", self._changelist())
+
+    def _changelist(self) -> str:
+        return reverse("admin:fleet_node_changelist")
 
 
 @admin.register(AgentSession)

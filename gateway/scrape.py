@@ -16,8 +16,9 @@ from .state import get_state
 
 
 async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /metrics`` as a lean ASGI app. With ``SWITCHYARD_METRICS_TOKEN`` set, scrapers
-    must send it as a bearer token (metrics name tenants and models)."""
+    """``GET /metrics`` as a lean ASGI app. Scrapers send the install's metrics token as a
+    bearer token (metrics name tenants and models), unless ``SWITCHYARD_METRICS_PUBLIC`` is
+    on (then the token setting is empty)."""
     headers = dict(scope["headers"])
     token = settings.SWITCHYARD_METRICS_TOKEN
     if scope["method"] not in ("GET", "HEAD"):
@@ -26,7 +27,10 @@ async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
         bearer(headers.get(b"authorization", b"").decode("latin-1")) or "", token
     ):
         status, content_type = 401, b"application/json"
-        body = b'{"error": "metrics need the bearer token SWITCHYARD_METRICS_TOKEN"}'
+        body = (
+            b'{"error": "metrics need a bearer token: SWITCHYARD_METRICS_TOKEN, or the file '
+            b'var/metrics-token that the platform generated"}'
+        )
     else:
         state = get_state()
         state.metrics.fold()  # this process's latest counts; others fold every 0.5 s
@@ -39,6 +43,7 @@ async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
             "status": status,
             "headers": [
                 (b"content-type", content_type),
+                *([(b"www-authenticate", b"Bearer")] if status == 401 else []),
                 (b"content-length", str(len(body)).encode()),
             ],
         }

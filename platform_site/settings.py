@@ -12,12 +12,15 @@ environment variable it comes from (``settings.SWITCHYARD_INFER_TIMEOUT_S`` is
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TypeVar
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from platform_site.secret_files import install_secret, private_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -79,7 +82,9 @@ def package_dir(name: str) -> Path:
 SWITCHYARD_VAR_DIR = Path(env("SWITCHYARD_VAR_DIR", str(BASE_DIR / "var")))
 SWITCHYARD_VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-SECRET_KEY = env("SECRET_KEY", "switchyard-embedded-dev-key-change-me-in-production")
+# Never a default from the source (that one is public): unset, each install generates its own
+# on first start (var/secret_key, 0600), shared by every process that shares var/.
+SECRET_KEY = env("SECRET_KEY") or install_secret(SWITCHYARD_VAR_DIR / "secret_key", 50)
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",")]
 CSRF_TRUSTED_ORIGINS = [o for o in env("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
@@ -97,6 +102,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",  # Swagger UI assets served locally: no CDN on closed networks
     "channels",
     "django_celery_beat",
+    "axes",  # login throttling (see "Auth and i18n")
     "tenants",
     "registry",
     "monitoring",
@@ -115,6 +121,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks: answers a locked-out login
 ]
 
 ROOT_URLCONF = "platform_site.urls"
@@ -151,6 +158,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
     }
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # The file holds password hashes, sessions and tokens: 0600 before SQLite first opens it
+    # (its -wal and -shm files take the database file's mode).
+    private_file(Path(DATABASES["default"]["NAME"]))
     DATABASES["default"].setdefault("TEST", {})["NAME"] = str(SWITCHYARD_VAR_DIR / "test.sqlite3")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -228,6 +238,17 @@ CELERY_BEAT_SCHEDULE = {
 # Auth and i18n -----------------------------------------------------------------------------
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
+# Login throttling (django-axes, on the web UI's and the admin's sign-in): after
+# SWITCHYARD_LOGIN_FAILURES failed attempts for one username from one address, that pair is
+# locked out for SWITCHYARD_LOGIN_LOCKOUT_MINUTES (429), and the lockout is audited.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("SWITCHYARD_LOGIN_FAILURES", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("SWITCHYARD_LOGIN_LOCKOUT_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
@@ -235,6 +256,16 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+
+# HTTPS, for `check --deploy` (README, "Production settings"). Off by default: the
+# embedded default serves plain HTTP on loopback, and a TLS proxy in front sets X-Forwarded-Proto,
+# which uvicorn --proxy-headers turns into the request's scheme.
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
 
 STATIC_URL = "static/"
 STATIC_ROOT = SWITCHYARD_VAR_DIR / "static"
@@ -318,8 +349,15 @@ SWITCHYARD_PREDICTION_LOG = env_bool("SWITCHYARD_PREDICTION_LOG", True)
 SWITCHYARD_REQUEST_METRICS = env_bool("SWITCHYARD_REQUEST_METRICS", True)
 # Stage times (switchyard_stage_duration_seconds) from one prediction in this many.
 SWITCHYARD_STAGE_SAMPLE = max(1, env_int("SWITCHYARD_STAGE_SAMPLE", 10))
-# When set, GET /metrics needs it as a bearer token (metrics name tenants and models).
-SWITCHYARD_METRICS_TOKEN = env("SWITCHYARD_METRICS_TOKEN", "")
+# GET /metrics needs this bearer token (metrics name tenants and models); unset, each install
+# generates one (var/metrics-token, 0600). SWITCHYARD_METRICS_PUBLIC=on drops the check, only for
+# a server whose port nothing outside can reach.
+SWITCHYARD_METRICS_PUBLIC = env_bool("SWITCHYARD_METRICS_PUBLIC", False)
+SWITCHYARD_METRICS_TOKEN = (
+    ""
+    if SWITCHYARD_METRICS_PUBLIC
+    else env("SWITCHYARD_METRICS_TOKEN") or install_secret(SWITCHYARD_VAR_DIR / "metrics-token")
+)
 # Key of the keyed hash (HMAC-SHA256) that replaces personal fields marked "hash".
 SWITCHYARD_LOG_HASH_KEY = env("SWITCHYARD_LOG_HASH_KEY", "")
 

@@ -4,6 +4,9 @@
 # one local serving agent. Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# What this script and the platform create under var/ (the database, demo.json, node-token,
+# bootstrap.log, logs) is readable by this user only: some of it holds passwords and tokens.
+umask 077
 PORT="${PORT:-8000}"
 # honcho hands every process its own $PORT, so the platform's port travels under another name.
 export SWITCHYARD_PORT="$PORT"
@@ -18,7 +21,6 @@ $PY manage.py bootstrap_demo > var/bootstrap.log
 creds=var/demo.json
 get() { $PY -c "import json,sys; print(json.load(open('$creds'))[sys.argv[1]])" "$1"; }
 get node_token > var/node-token
-chmod 600 var/node-token
 
 cat <<MSG
 

@@ -1,16 +1,18 @@
-"""Admin for tenants, members, quotas, API keys (a new key is shown once, at creation) and the
-read-only audit log."""
+"""Admin for tenants, members, quotas, API keys (a new key is shown once, at creation, in the
+response page itself: ``shown_once``) and the read-only audit log."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 
 from .audit import user_actor
 from .keys import create_api_key, revoke_api_key, set_key_priority
 from .models import ApiKey, AuditEvent, KeyPriority, Membership, Quota, Tenant
+from .shown_once import remember, shown_once_page
 
 
 class MembershipInline(admin.TabularInline):
@@ -86,9 +88,16 @@ class ApiKeyAdmin(admin.ModelAdmin):
         key, raw = create_api_key(obj.tenant, obj.name, actor, priority=obj.priority)
         obj.pk = key.pk
         obj.prefix = key.prefix
-        messages.warning(
-            request, f"API key created. Copy it now, it will not be shown again: {raw}"
+        remember(request, f"API key {key.name!r} of {obj.tenant}", raw)
+
+    def response_add(
+        self, request: HttpRequest, obj: ApiKey, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        # The key is shown in this response, never through the messages cookie of a redirect.
+        page = shown_once_page(
+            request, "API key created", "the key", reverse("admin:tenants_apikey_changelist")
         )
+        return page or super().response_add(request, obj, post_url_continue)
 
     @admin.action(description="Revoke selected keys")
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:

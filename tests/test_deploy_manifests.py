@@ -17,7 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 # The oldest Kubernetes release still widely supported, and the newest the package ships.
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
-SECRET_ENV = {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "CELERY_BROKER_URL"}
+SECRET_ENV = {
+    "DATABASE_URL",
+    "REDIS_URL",
+    "SECRET_KEY",
+    "CELERY_BROKER_URL",
+    "SWITCHYARD_METRICS_TOKEN",
+}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob"}
 
 
@@ -327,9 +333,22 @@ def test_django_processes_get_the_external_database_and_redis():
         assert {"configMapRef": {"name": "switchyard-config"}} in container["envFrom"]
 
 
+def test_every_web_pod_gets_the_one_metrics_token_prometheus_is_given():
+    (container,) = _pod_spec(_find("Deployment", "switchyard-web"))["containers"]
+    refs = {v["name"]: v.get("valueFrom", {}) for v in container["env"]}
+    assert refs["SWITCHYARD_METRICS_TOKEN"] == {
+        "secretKeyRef": {"name": "switchyard", "key": "SWITCHYARD_METRICS_TOKEN"}
+    }
+
+
 def test_example_secret_documents_every_key():
     secrets = {d["metadata"]["name"]: d for d in _load(DEPLOY / "secret.example.yaml")}
-    assert set(secrets["switchyard"]["stringData"]) == {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"}
+    assert set(secrets["switchyard"]["stringData"]) == {
+        "DATABASE_URL",
+        "REDIS_URL",
+        "SECRET_KEY",
+        "SWITCHYARD_METRICS_TOKEN",
+    }
     assert set(secrets["switchyard-agent-token"]["stringData"]) == {"token"}
     assert all("CHANGE-ME" in v for v in secrets["switchyard"]["stringData"].values())
 

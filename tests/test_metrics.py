@@ -7,12 +7,14 @@ import logging
 import random
 
 import pytest
+from asgiref.sync import async_to_sync
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import metrics, tracing
+from gateway import metrics, scrape, tracing
 from gateway.metrics import LATENCY_BUCKETS_S, Observed, RequestMetrics, reject_reason
 from gateway.routes import Route
+from gateway.state import GatewayState
 from tests.factories import make_model, make_version
 
 
@@ -190,3 +192,43 @@ def test_log_records_carry_the_request_and_trace_ids():
     inside, outside = handler.records
     assert (inside.request_id, inside.trace_id) == ("order-7", trace.trace_id)
     assert (outside.request_id, outside.trace_id) == ("-", "-")
+
+
+def scrape_with(headers: dict[str, str]) -> tuple[int, dict[bytes, bytes], bytes]:
+    """(status, headers, body) of one GET /metrics through the ASGI app."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/metrics",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    async_to_sync(scrape.metrics_app)(scope, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+
+def test_metrics_need_the_scrape_token_by_default(settings):
+    assert settings.SWITCHYARD_METRICS_TOKEN  # generated for this install when not set
+    settings.SWITCHYARD_METRICS_TOKEN = "the-token"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "the-token"}):
+        status, sent, body = scrape_with(headers)
+        assert status == 401 and sent[b"www-authenticate"] == b"Bearer", headers
+        assert b"switchyard_" not in body and b"the-token" not in body
+
+
+@pytest.mark.django_db(transaction=True)
+def test_metrics_answer_with_the_token_or_when_made_public(settings, monkeypatch):
+    monkeypatch.setattr(scrape, "get_state", GatewayState)
+    settings.SWITCHYARD_METRICS_TOKEN = "the-token"
+    status, _, body = scrape_with({"Authorization": "Bearer the-token"})
+    assert status == 200 and b"switchyard_" in body
+    settings.SWITCHYARD_METRICS_TOKEN = ""  # SWITCHYARD_METRICS_PUBLIC=on
+    status, _, body = scrape_with({})
+    assert status == 200 and b"switchyard_" in body

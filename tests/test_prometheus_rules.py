@@ -20,17 +20,20 @@ needs_promtool = pytest.mark.skipif(
 )
 
 
-def run_promtool(*args: str) -> str:
-    done = subprocess.run(
-        [promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=120
-    )
+def run_promtool(*args: str, cwd: Path = PROMETHEUS) -> str:
+    done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
 @needs_promtool
-def test_scrape_config_and_rules_are_valid():
-    assert "SUCCESS" in run_promtool("check", "config", "prometheus.yml")
+def test_scrape_config_and_rules_are_valid(tmp_path):
+    # promtool checks that the scrape token's file exists: a copy of the layout, with one.
+    copy = tmp_path / "deploy" / "prometheus"
+    shutil.copytree(PROMETHEUS, copy)
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "metrics-token").write_text("a-token\n")
+    assert "SUCCESS" in run_promtool("check", "config", "prometheus.yml", cwd=copy)
     assert "SUCCESS" in run_promtool("check", "rules", "alerts.yml")
 
 
@@ -67,3 +70,13 @@ def test_every_metric_the_rules_use_is_exported():
     for name in sorted(used):
         family = re.sub(r"_(bucket|count|sum)$", "", name)
         assert f"# TYPE {family} " in exported or f"# TYPE {name} " in exported, name
+
+
+def test_both_scrape_configs_send_the_metrics_token():
+    # /metrics answers 401 without it (gateway/scrape.py).
+    for name, token_file in (
+        ("prometheus.yml", "../../var/metrics-token"),
+        ("prometheus-kubernetes.yml", "/etc/prometheus/switchyard-metrics-token"),
+    ):
+        (job,) = yaml.safe_load((PROMETHEUS / name).read_text())["scrape_configs"]
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": token_file}, name

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -77,6 +78,14 @@ class Backend:
             step()
 
 
+METRICS_TOKEN = secrets.token_urlsafe(16)
+
+
+def metrics_auth() -> dict[str, str]:
+    """The header a scrape of /metrics of a platform started here needs."""
+    return {"Authorization": f"Bearer {METRICS_TOKEN}"}
+
+
 def _base_env(var_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update(
@@ -88,6 +97,8 @@ def _base_env(var_dir: Path) -> dict[str, str]:
         # Off unless a test asks (start_server's grpc_port): on the default port, parallel
         # test servers would share it through SO_REUSEPORT and answer each other's calls.
         SWITCHYARD_GRPC_PORT="0",
+        # /metrics needs a bearer token by default; scrapes here send this one (metrics_auth).
+        SWITCHYARD_METRICS_TOKEN=METRICS_TOKEN,
     )
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
@@ -269,7 +280,7 @@ def create_node(backend: Backend, name: str) -> str:
 
 def dispatched(url: str) -> dict[str, float]:
     """This process's requests handed to an agent: {"local": n, "forwarded": m}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", headers=metrics_auth(), timeout=10).text
     found = re.findall(r'^switchyard_gateway_dispatched_total\{path="(\w+)"\} (\S+)$', text, re.M)
     counts = {"local": 0.0, "forwarded": 0.0}
     counts.update({path: float(n) for path, n in found})

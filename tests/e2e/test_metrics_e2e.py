@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import make_backend
-from .harness import free_port, start_server, wait_until
+from .harness import free_port, metrics_auth, start_server, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -20,8 +20,8 @@ STAGES = {"auth", "rate_limit", "routing", "serialization", "dispatch", "queue_w
 
 
 def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of one scrape."""
-    response = client.get("/metrics")
+    """{(sample name, sorted labels): value} of one scrape (with the scrape token)."""
+    response = client.get("/metrics", headers=metrics_auth())
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -141,13 +141,11 @@ def test_every_response_carries_a_request_id_and_the_trace(stack, rng):
         assert refused.status_code == 400 and "x-request-id" in refused.json()["error"]
 
 
-def test_metrics_are_summed_over_server_processes_and_can_need_a_token(tmp_path):
+def test_metrics_are_summed_over_server_processes_and_need_the_token(tmp_path):
     backend = make_backend("embedded", tmp_path)
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
-    backend.env.update(
-        {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "SWITCHYARD_METRICS_TOKEN": "scrape-me"}
-    )
+    backend.env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     ports = [free_port(), free_port()]
     servers = [start_server(backend, "uvicorn", port) for port in ports]
     try:
@@ -156,8 +154,10 @@ def test_metrics_are_summed_over_server_processes_and_can_need_a_token(tmp_path)
                 for _ in range(n):
                     assert client.post("/v2/models/clf/infer", json={}).status_code == 401
         with httpx.Client(base_url=f"http://127.0.0.1:{ports[0]}") as client:
-            assert client.get("/metrics").status_code == 401
-            client.headers["Authorization"] = "Bearer scrape-me"
+            refused = client.get("/metrics")
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+            wrong = client.get("/metrics", headers={"Authorization": "Bearer not-the-token"})
+            assert wrong.status_code == 401 and "switchyard_" not in wrong.text
 
             def summed() -> float:
                 samples = scrape(client)

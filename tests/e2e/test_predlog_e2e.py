@@ -15,7 +15,7 @@ import pytest
 from tests.onnx_models import small_onnx
 
 from .conftest import platform_with_agent, upload_and_promote, wait_ready
-from .harness import create_tenant, wait_until
+from .harness import create_tenant, metrics_auth, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +81,7 @@ def logged(client: httpx.Client, request_id: str) -> list[dict]:
 
 
 def metric(url: str, outcome: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", headers=metrics_auth(), timeout=30).text
     found = re.search(
         rf'^switchyard_prediction_log_records_total\{{outcome="{outcome}"\}} (\S+)$', text, re.M
     )

@@ -1,8 +1,9 @@
 """Set up the embedded demo: admin (an approver) and engineer users, demo tenant and key, a node,
 the fraud model serving, and the same model deployed with autoscaling on the local pool.
 
-Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` so the
-start script can print them and hand the node token to the local agent.
+Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` (0600)
+so the start script can print them and hand the node token to the local agent; the command's own
+output names no secret, since it ends up in ``var/bootstrap.log``.
 """
 
 import json
@@ -18,6 +19,7 @@ from django.db import transaction
 
 from fleet.models import ClusterKind, Deployment, Node, Pool
 from fleet.nodes import create_node, rotate_node_token
+from platform_site.secret_files import write_private
 from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
 from tenants.audit import user_actor
@@ -35,9 +37,12 @@ class Command(BaseCommand):
         saved = json.loads(path.read_text()) if path.exists() else {}
         with transaction.atomic():
             creds = self._bootstrap(saved)
-        path.write_text(json.dumps(creds, indent=2))
-        path.chmod(0o600)
-        self.stdout.write(json.dumps(creds))
+        write_private(path, json.dumps(creds, indent=2))
+        self.stdout.write(
+            f"demo ready: tenant {creds['tenant']}, model {creds['model']}, users "
+            f"{creds['admin_user']} and {creds['engineer_user']}; their passwords, the API key "
+            f"and the node token are in {path} (readable by its owner only)"
+        )
 
     def _text_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
         """The demo generative model: a byte-level transformer trained on Moby-Dick."""
