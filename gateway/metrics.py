@@ -103,7 +103,8 @@ PREDLOG_RECORDS = Counter(
     "Sampled predictions by what became of them: written, or dropped and why: "
     "dropped_buffer_full (offered while the buffer was full, a database stalled for longer "
     "than the buffer lasts), dropped_unrecordable (tensors the writer cannot describe), "
-    "dropped_rejected (a row the database refused on its own, written alone).",
+    "dropped_rejected (a row the database refused on its own, written alone), "
+    "dropped_at_shutdown (still unwritten when the process stopped).",
     ["outcome"],
 )
 PREDLOG_RETRIES = Counter(

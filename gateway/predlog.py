@@ -49,6 +49,7 @@ WRITTEN = PREDLOG_RECORDS.labels("written")
 DROPPED_BUFFER_FULL = PREDLOG_RECORDS.labels("dropped_buffer_full")
 DROPPED_UNRECORDABLE = PREDLOG_RECORDS.labels("dropped_unrecordable")
 DROPPED_REJECTED = PREDLOG_RECORDS.labels("dropped_rejected")
+DROPPED_AT_SHUTDOWN = PREDLOG_RECORDS.labels("dropped_at_shutdown")
 REDACTED = "[redacted]"
 WRITE_TIMEOUT_MS = 5000  # a batch write slower than this on PostgreSQL fails and is retried
 # Waits between tries of a batch the database did not take: doubling from the first to the
@@ -306,11 +307,13 @@ class PredictionLogger:
         self.dropped_buffer_full = 0
         self.dropped_unrecordable = 0
         self.dropped_rejected = 0
+        self.dropped_at_shutdown = 0
         self.retries = 0  # batches the database did not take, kept to be written again
         self._buffer: deque[Sample] = deque()
         self._accepted = 0  # records put in the buffer, ever
         self._settled = 0  # of those, written or dropped by the writer
         self._wake = threading.Event()
+        self._closed = threading.Event()
         self._progress = threading.Condition()
         self._thread: threading.Thread | None = None
         self._autostart = autostart
@@ -358,13 +361,34 @@ class PredictionLogger:
         with self._progress:
             return self._progress.wait_for(lambda: self._settled >= target, timeout)
 
+    def close(self, timeout: float) -> int:
+        """At shutdown: write what is buffered, waiting up to ``timeout``, and stop the writer.
+        What the database still has not taken is lost with the process: returns that number,
+        counted (in multiprocess mode the count outlives the process) and logged."""
+        self.flush(timeout)
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(WRITE_TIMEOUT_MS / 1000)  # at most the try under way
+        lost = len(self._buffer)
+        if lost:
+            self.dropped_at_shutdown += lost
+            DROPPED_AT_SHUTDOWN.inc(lost)
+            log.warning("prediction log: %d records not written at shutdown", lost)
+        return lost
+
     @property
     def pending(self) -> int:
         return len(self._buffer)
 
     @property
     def dropped(self) -> int:
-        return self.dropped_buffer_full + self.dropped_unrecordable + self.dropped_rejected
+        return (
+            self.dropped_buffer_full
+            + self.dropped_unrecordable
+            + self.dropped_rejected
+            + self.dropped_at_shutdown
+        )
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
@@ -372,14 +396,16 @@ class PredictionLogger:
 
     def _run(self) -> None:
         backoff = 0.0
-        while True:
+        while not self._closed.is_set():
             if backoff:
-                # A plain sleep, not the wake event: under a stall the buffer stays past a
-                # batch, and every offer would cut the wait short.
-                time.sleep(backoff)
+                # Not the wake event: under a stall the buffer stays past a batch, and every
+                # offer would cut the wait short.
+                self._closed.wait(backoff)
             else:
                 self._wake.wait(self.flush_s)
                 self._wake.clear()
+            if self._closed.is_set():
+                return
             backoff = 0.0 if self.write_pending() else retry_delay(backoff)
 
     def write_pending(self) -> bool:

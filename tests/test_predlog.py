@@ -364,6 +364,20 @@ def test_a_database_that_stays_down_keeps_the_batch_in_the_buffer(monkeypatch):
     assert logger.dropped_buffer_full == 6 and logger.pending == 10
 
 
+def test_what_a_down_database_has_not_taken_at_shutdown_is_counted_as_lost(monkeypatch):
+    def down(batch):
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(predlog, "write_batch", down)
+    logger = PredictionLogger(capacity=100, batch_size=4, flush_s=0.05)
+    before = counter("dropped_at_shutdown")
+    for i in range(7):
+        offer(logger, make_route(), request_id=f"r{i}")
+    assert logger.close(timeout=0.3) == 7
+    assert logger.dropped_at_shutdown == 7 and logger.written == 0
+    assert counter("dropped_at_shutdown") - before == 7
+
+
 def test_retries_back_off_doubling_up_to_a_cap():
     delays = [predlog.retry_delay(0.0)]
     for _ in range(8):
