@@ -105,6 +105,23 @@ DEGRADED = Counter(
     ["tenant", "model", "version", "step"],
 )
 
+# The prediction log's writer (gateway/predlog.py) counts straight into these: a few increments
+# per batch on its own thread, and one per drop on the event loop (a labelled child, made once).
+PREDLOG_RECORDS = Counter(
+    "switchyard_prediction_log_records",
+    "Sampled predictions by what became of them: written, or dropped and why: "
+    "dropped_buffer_full (offered while the buffer was full, a database stalled for longer "
+    "than the buffer lasts), dropped_unrecordable (tensors the writer cannot describe), "
+    "dropped_rejected (a row the database refused on its own, written alone), "
+    "dropped_at_shutdown (still unwritten when the process stopped).",
+    ["outcome"],
+)
+PREDLOG_RETRIES = Counter(
+    "switchyard_prediction_log_write_retries",
+    "Prediction-log batches the database did not take (down, locked, timed out): each stays "
+    "in the buffer and is written again after a backoff.",
+)
+
 
 def fold_dispatched(counts: dict[str, int]) -> None:
     """Move the pool's counts of local and forwarded dispatches into prometheus-client."""

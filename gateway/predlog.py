@@ -3,8 +3,10 @@
 ``PredictionLogger.offer`` runs on the event loop after each prediction: it samples and, for a
 sampled request, appends the request's own tensors (no copy, no conversion) to a bounded buffer.
 A daemon thread turns them into JSON columns (personal fields redacted or hashed) and writes them
-in batches. Neither ever holds up a request: a full buffer or a failed write drops records and
-counts them.
+in batches. Neither ever holds up a request. A batch the database does not take (down, locked,
+timed out) stays in the buffer and is written again after a backoff, so a stall loses nothing
+while the buffer lasts; what is dropped (offered to a full buffer, or a record that cannot be
+written at all) is counted by reason.
 """
 
 from __future__ import annotations
@@ -25,28 +27,40 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
-from prometheus_client import Counter
+from django.db import (
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
 
 from monitoring.models import PredictionLog
 from monitoring.prediction_log import jsonable, row_scores, score_output
 
+from .metrics import PREDLOG_RECORDS, PREDLOG_RETRIES
 from .routes import Route
 
 log = logging.getLogger(__name__)
 
-RECORDS = Counter(
-    "switchyard_prediction_log_records",
-    "Sampled predictions by what became of them: written, or dropped (buffer full, write failed).",
-    ["outcome"],
-)
 # Children made once: a drop on the request path costs an increment, not a label lookup; and
 # every outcome is exported (at 0) before it first happens.
-WRITTEN = RECORDS.labels("written")
-DROPPED_BUFFER_FULL = RECORDS.labels("dropped_buffer_full")
-DROPPED_WRITE_FAILED = RECORDS.labels("dropped_write_failed")
+WRITTEN = PREDLOG_RECORDS.labels("written")
+DROPPED_BUFFER_FULL = PREDLOG_RECORDS.labels("dropped_buffer_full")
+DROPPED_UNRECORDABLE = PREDLOG_RECORDS.labels("dropped_unrecordable")
+DROPPED_REJECTED = PREDLOG_RECORDS.labels("dropped_rejected")
+DROPPED_AT_SHUTDOWN = PREDLOG_RECORDS.labels("dropped_at_shutdown")
 REDACTED = "[redacted]"
-WRITE_TIMEOUT_MS = 5000  # a batch write slower than this on PostgreSQL is dropped (counted)
+WRITE_TIMEOUT_MS = 5000  # a batch write slower than this on PostgreSQL fails and is retried
+# Waits between tries of a batch the database did not take: doubling from the first to the
+# cap, so a database that comes back is written to within RETRY_MAX_S, and one that stays down
+# costs the writer a try every RETRY_MAX_S.
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+# Errors of the database, not of the rows: the same batch may well be taken on the next try.
+# (Django raises these for a lost or refused connection, a lock or statement timeout, and
+# SQLite's "database is locked".) Any other error is a row's own and is not retried.
+TRANSIENT = (OperationalError, InterfaceError)
 
 Record = dict[str, Any]  # the fields of one ``PredictionLog`` row, by name
 
@@ -270,6 +284,10 @@ class PredictionLogger:
     arrays as they are (nothing mutates them once answered): converting them to JSON columns is
     the writer's work, so a sampled request costs the event loop an append, not ~15-50 us of
     numpy calls and small allocations.
+
+    A batch leaves the buffer only once it is written: while the database does not take it,
+    it stays at the head and counts against the capacity, so a stall is bounded in memory and
+    loses nothing until the buffer is full; from then on offers are refused (and counted).
     """
 
     def __init__(
@@ -287,11 +305,15 @@ class PredictionLogger:
         self.hash_key = log_hash_key()
         self.written = 0
         self.dropped_buffer_full = 0
-        self.dropped_write_failed = 0
+        self.dropped_unrecordable = 0
+        self.dropped_rejected = 0
+        self.dropped_at_shutdown = 0
+        self.retries = 0  # batches the database did not take, kept to be written again
         self._buffer: deque[Sample] = deque()
         self._accepted = 0  # records put in the buffer, ever
         self._settled = 0  # of those, written or dropped by the writer
         self._wake = threading.Event()
+        self._closed = threading.Event()
         self._progress = threading.Condition()
         self._thread: threading.Thread | None = None
         self._autostart = autostart
@@ -328,7 +350,8 @@ class PredictionLogger:
         return True
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Write (or drop) everything offered so far; False if that took past ``timeout``."""
+        """Write (or drop) everything offered so far; False if that took past ``timeout``
+        (a database still down: what is left stays in the buffer, retried)."""
         target = self._accepted
         if self._settled >= target:
             return True
@@ -338,47 +361,135 @@ class PredictionLogger:
         with self._progress:
             return self._progress.wait_for(lambda: self._settled >= target, timeout)
 
+    def close(self, timeout: float) -> int:
+        """At shutdown: write what is buffered, waiting up to ``timeout``, and stop the writer.
+        What the database still has not taken is lost with the process: returns that number,
+        counted (in multiprocess mode the count outlives the process) and logged."""
+        self.flush(timeout)
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(WRITE_TIMEOUT_MS / 1000)  # at most the try under way
+        lost = len(self._buffer)
+        if lost:
+            self.dropped_at_shutdown += lost
+            DROPPED_AT_SHUTDOWN.inc(lost)
+            log.warning("prediction log: %d records not written at shutdown", lost)
+        return lost
+
     @property
     def pending(self) -> int:
         return len(self._buffer)
+
+    @property
+    def dropped(self) -> int:
+        return (
+            self.dropped_buffer_full
+            + self.dropped_unrecordable
+            + self.dropped_rejected
+            + self.dropped_at_shutdown
+        )
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait(self.flush_s)
-            self._wake.clear()
-            self.write_pending()
+        backoff = 0.0
+        while not self._closed.is_set():
+            if backoff:
+                # Not the wake event: under a stall the buffer stays past a batch, and every
+                # offer would cut the wait short.
+                self._closed.wait(backoff)
+            else:
+                self._wake.wait(self.flush_s)
+                self._wake.clear()
+            if self._closed.is_set():
+                return
+            backoff = 0.0 if self.write_pending() else retry_delay(backoff)
 
-    def _count_failed(self, n: int) -> None:
-        if n:
-            self.dropped_write_failed += n
-            DROPPED_WRITE_FAILED.inc(n)
-
-    def write_pending(self) -> None:
-        """Build and write the buffer's records in batches (the writer thread's one step)."""
+    def write_pending(self) -> bool:
+        """Build and write the buffer's records in batches, oldest first (the writer thread's
+        one step). False when the database did not take a batch: it stays at the head of the
+        buffer for the next step."""
         while self._buffer:
             count = min(self.batch_size, len(self._buffer))
-            self._write([self._buffer.popleft() for _ in range(count)])
+            # Read, not taken, and by index: offers append on the other end meanwhile, which
+            # an iterator over the deque would fail on.
+            batch = [self._buffer[i] for i in range(count)]
+            done = self._write(batch)
+            for _ in range(done):
+                self._buffer.popleft()
+            with self._progress:
+                self._settled += done
+                self._progress.notify_all()
+            if done < count:
+                return False
+        return True
 
-    def _write(self, batch: list[Sample]) -> None:
+    def _write(self, batch: list[Sample]) -> int:
+        """Write a batch; how many of its samples, from the head, are settled (written or
+        dropped): all of it, or fewer when the database did not answer."""
         unrecordable: list[Sample] = []
         try:
             close_old_connections()  # honour CONN_MAX_AGE and drop connections that broke
             write_batch(batch_records(batch, self.hash_key, unrecordable))
-        except Exception as exc:  # database down, locked or slow: losing samples beats stalling
-            log.warning("prediction log: dropped %d records: %s", len(batch), exc)
-            self._count_failed(len(batch))
-            connection.close()  # never reuse a connection left in a failed state
-        else:
-            self._count_failed(len(unrecordable))
-            self.written += len(batch) - len(unrecordable)
-            WRITTEN.inc(len(batch) - len(unrecordable))
-        with self._progress:
-            self._settled += len(batch)
-            self._progress.notify_all()
+        except TRANSIENT as exc:
+            self._failed(len(batch), exc)
+            return 0
+        except Exception as exc:  # a row the database refuses fails the whole batch (one COPY)
+            log.warning("prediction log: writing %d records one by one: %s", len(batch), exc)
+            connection.close()
+            return self._write_each(batch)
+        self._drop_unrecordable(len(unrecordable))
+        self._count_written(len(batch) - len(unrecordable))
+        return len(batch)
+
+    def _write_each(self, batch: list[Sample]) -> int:
+        """Write a refused batch one record at a time, so that only the refused rows are
+        lost (counted as rejected); stops at a database that does not answer."""
+        for done, sample in enumerate(batch):
+            try:
+                record = sample.record(self.hash_key)
+            except Exception:
+                log.exception("prediction log: could not record request %s", sample.request_id)
+                self._drop_unrecordable(1)
+                continue
+            try:
+                close_old_connections()
+                write_batch([record])
+            except TRANSIENT as exc:
+                self._failed(len(batch) - done, exc)
+                return done
+            except Exception:
+                log.exception("prediction log: the database refused request %s", sample.request_id)
+                connection.close()
+                self.dropped_rejected += 1
+                DROPPED_REJECTED.inc()
+            else:
+                self._count_written(1)
+        return len(batch)
+
+    def _failed(self, n: int, exc: Exception) -> None:
+        log.warning("prediction log: %d records kept to retry: %s", n, exc)
+        self.retries += 1
+        PREDLOG_RETRIES.inc()
+        connection.close()  # never reuse a connection left in a failed state
+
+    def _drop_unrecordable(self, n: int) -> None:
+        if n:
+            self.dropped_unrecordable += n
+            DROPPED_UNRECORDABLE.inc(n)
+
+    def _count_written(self, n: int) -> None:
+        if n:
+            self.written += n
+            WRITTEN.inc(n)
+
+
+def retry_delay(previous: float) -> float:
+    """The wait before the next try of a batch: doubling, from RETRY_FIRST_S to RETRY_MAX_S."""
+    return min(RETRY_MAX_S, max(RETRY_FIRST_S, previous * 2))
 
 
 COPY_COLUMNS = (
@@ -427,7 +538,9 @@ def copy_rows(records: Iterable[Record]) -> None:
     rows = [copy_row(r) for r in records]
     table = PredictionLog._meta.db_table
     configure_session()
-    with connection.cursor() as cursor:
+    # The COPY goes to psycopg's own cursor: the wrapper gives its errors Django's classes,
+    # which tell the writer a lock or a lost connection (retry) from a refused row.
+    with connection.wrap_database_errors, connection.cursor() as cursor:
         with cursor.cursor.copy(f"COPY {table} ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
@@ -440,15 +553,18 @@ _configured_sessions: weakref.WeakSet[object] = weakref.WeakSet()
 
 def configure_session() -> None:
     """Settings for the writer's connection, made once per connection (the thread's own one):
-    a hung server must fail a batch, not stall the writer behind it; and a commit need not
-    wait for the WAL to reach disk (a database crash may lose the last moment of a sampled
-    log, never its consistency)."""
+    a hung server or a held lock fails a batch (kept and retried, and counted, so a stall shows
+    in the metrics within the gateway's lock timeout) instead of leaving the writer silently
+    stuck behind it; and a commit need not wait for the WAL to reach disk (a database crash may
+    lose the last moment of a sampled log, never its consistency)."""
     connection.ensure_connection()
     raw = connection.connection
     if raw in _configured_sessions:
         return
+    lock_ms = min(int(settings.SWITCHYARD_DB_LOCK_TIMEOUT_MS), int(WRITE_TIMEOUT_MS))
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SET statement_timeout = {int(WRITE_TIMEOUT_MS)}; SET synchronous_commit = off"
+            f"SET statement_timeout = {int(WRITE_TIMEOUT_MS)}; SET lock_timeout = {lock_ms};"
+            " SET synchronous_commit = off"
         )
     _configured_sessions.add(raw)

@@ -91,9 +91,10 @@ async def stop_links() -> None:
 
 
 async def flush_prediction_logs(timeout_s: float = 5.0) -> None:
-    """Write what the prediction log still buffers before the process exits."""
+    """Write what the prediction log still buffers before the process exits (what a stalled
+    database does not take by then is counted and logged as lost)."""
     for state in all_states():
-        await asyncio.to_thread(state.predlog.flush, timeout_s)
+        await asyncio.to_thread(state.predlog.close, timeout_s)
 
 
 application = ProtocolTypeRouter(
