@@ -164,10 +164,14 @@ def _log_size(proc: Proc) -> int:
     return proc.log_path.stat().st_size
 
 
-def _logged_since(proc: Proc, offset: int, text: str) -> bool:
+def _logged_since(proc: Proc, offset: int, first: str, then: str) -> bool:
+    """Whether supervisord's output after offset has ``first`` (the new process's start-up
+    line), and ``then`` after it: a line the killed process left in its pipe does not count."""
     with open(proc.log_path, "rb") as log:
         log.seek(offset)
-        return text.encode() in log.read()
+        text = log.read()
+    start = text.find(first.encode())
+    return start >= 0 and text.find(then.encode(), start) >= 0
 
 
 def run_drill(backend: Backend, say: Callable[[str], None] = lambda _: None) -> list[Row]:
@@ -182,7 +186,7 @@ def run_drill(backend: Backend, say: Callable[[str], None] = lambda _: None) -> 
     spare: Proc | None = None
     load = Load(url, key)
     try:
-        wait_until(lambda: answers(url), 60, supervised.proc)
+        wait_until(lambda: answers(url), 90, supervised.proc)
         wait_until(lambda: all(supervised.running(p) for p in PROGRAMS), 60, supervised.proc)
         spare = start_agent(backend, url, spare_token, "agent-spare")
         _serve_model(url, key)
@@ -235,8 +239,10 @@ def _kill_and_recover(backend: Backend, supervised: Supervised, load: Load, name
     running_at = time.monotonic()
     does_its_job: Callable[[], bool] = {
         "agent": lambda: _live_sessions(backend).get("supervised", 0) > sessions["supervised"],
-        "worker": lambda: _logged_since(supervised.proc, offset, "] succeeded in"),
-        "beat": lambda: _logged_since(supervised.proc, offset, "Scheduler: Sending due task"),
+        "worker": lambda: _logged_since(supervised.proc, offset, "celery@", "] succeeded in"),
+        "beat": lambda: _logged_since(
+            supervised.proc, offset, "beat: Starting", "Scheduler: Sending due task"
+        ),
     }[name]
     wait_until(does_its_job, 90, supervised.proc, interval=0.2)
     recovered_at = time.monotonic()
