@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import xmlrpc.client
@@ -56,12 +57,9 @@ class Supervised:
         self.rpc: Any = xmlrpc.client.ServerProxy(
             "http://127.0.0.1", transport=SupervisorTransport(None, None, socket_url)
         )
-        self._pids: set[int] = set()
 
     def info(self, name: str) -> dict[str, Any]:
         info: dict[str, Any] = self.rpc.supervisor.getProcessInfo(name)
-        if info["pid"]:
-            self._pids.add(info["pid"])
         return info
 
     def running(self, name: str) -> dict[str, Any] | None:
@@ -69,20 +67,22 @@ class Supervised:
         return info if info["statename"] == "RUNNING" else None
 
     def stop(self) -> None:
-        """SIGTERM to supervisord, which stops every program (as Ctrl-C does under make up);
-        whatever is still alive a minute later is killed, so a test leaves nothing behind."""
+        """SIGTERM to supervisord, which stops every program (as Ctrl-C does under make up).
+        If it has not within a minute, the programs it still runs are killed, then it."""
         popen = self.proc.popen
         if popen.poll() is None:
             os.kill(popen.pid, signal.SIGTERM)
             try:
                 popen.wait(60)
-            except Exception:
+            except subprocess.TimeoutExpired:
+                for name in PROGRAMS:
+                    try:
+                        pid = self.info(name)["pid"]
+                        if pid:  # each program runs in a process group of its own
+                            os.killpg(pid, signal.SIGKILL)
+                    except (OSError, xmlrpc.client.Error):
+                        pass
                 popen.kill()
-        for pid in self._pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)  # each program runs in its own process group
-            except OSError:
-                pass
         self.proc.stop()
 
 
