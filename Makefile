@@ -14,7 +14,8 @@ install: $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 
-# Install, migrate, create the demo tenant/key/node/model, and run every process in the foreground.
+# Install, migrate, create the demo tenant/key/node/model, and run every process in the foreground
+# under supervisord (deploy/supervisord.conf): one that dies is restarted alone.
 up: install
 	PORT=$(PORT) bash scripts/up.sh
 

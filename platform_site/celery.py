@@ -4,8 +4,12 @@ import os
 
 from celery import Celery
 
+from platform_site.alive import AliveStep
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "platform_site.settings")
 
 app = Celery("switchyard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+# The heartbeat file of the worker's Kubernetes probes (only when SWITCHYARD_ALIVE_FILE is set).
+app.steps["worker"].add(AliveStep)

@@ -194,7 +194,11 @@ if CELERY_BROKER_URL == "filesystem://":
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# django-celery-beat's DatabaseScheduler, refreshing the heartbeat file on every tick.
+CELERY_BEAT_SCHEDULER = "platform_site.beat:AliveScheduler"
+# A worker, beat or agent refreshes this file every few seconds while it works (its Kubernetes
+# probes read it: platform_site/alive.py); empty: no heartbeat file.
+SWITCHYARD_ALIVE_FILE = env("SWITCHYARD_ALIVE_FILE", "")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # How often the control loops run (seconds).

@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=1, help="intra-op threads for ONNX Runtime and torch"
     )
     parser.add_argument(
+        "--alive-file",
+        default=env.get("SWITCHYARD_ALIVE_FILE") or None,
+        help="refresh this file every few seconds with 'ready' while connected to the platform "
+        "(else 'not ready: ...'), for a liveness/readiness probe (env SWITCHYARD_ALIVE_FILE)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     args = parser.parse_args(argv)
@@ -110,11 +116,31 @@ async def serve(args: argparse.Namespace) -> None:
         memory_budget_bytes=memory_budget_bytes(args),
         cold_after_s=args.cold_after_s,
     )
+    beating = asyncio.create_task(beat_alive(args.alive_file, agent)) if args.alive_file else None
     try:
         await agent.run(stop)
     finally:
+        if beating is not None:
+            beating.cancel()
         cache.close()
     logging.getLogger(__name__).info("stopped")
+
+
+ALIVE_EVERY_S = 5.0
+
+
+async def beat_alive(path: str, agent: Agent) -> None:
+    """Refresh the heartbeat file from the event loop that serves requests, so a blocked loop
+    stops refreshing it (the liveness probe, scripts/probe_alive.py); ready while the agent's
+    websocket to the platform is open (readiness). One rename per beat: a probe never reads half
+    a line."""
+    partial = f"{path}.partial"
+    while True:
+        connected = agent.connection.socket is not None
+        with open(partial, "w") as f:
+            f.write("ready\n" if connected else "not ready: not connected to the platform\n")
+        os.replace(partial, path)
+        await asyncio.sleep(ALIVE_EVERY_S)
 
 
 def main(argv: list[str] | None = None) -> int:

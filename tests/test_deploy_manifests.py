@@ -1,12 +1,17 @@
 """The Kubernetes manifests under deploy/: every object validates against the Kubernetes
 schemas, beat is a singleton, the autoscaler's RBAC is least privilege, secrets never appear
-inline, and the commands agree with the Procfile's entry points."""
+inline, the commands agree with deploy/supervisord.conf's (what `make up` runs), and every
+long-running container has probes that mean something."""
 
 from __future__ import annotations
 
+import configparser
+import os
 import shlex
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -69,14 +74,23 @@ def _command(doc: dict, container: str | None = None) -> list[str]:
     raise AssertionError(f"no container {container} in {doc['metadata']['name']}")
 
 
-def _procfile() -> dict[str, list[str]]:
+def _supervisord() -> configparser.RawConfigParser:
+    config = configparser.RawConfigParser()  # raw: the %(ENV_X)s stay as written
+    config.read(DEPLOY / "supervisord.conf")
+    return config
+
+
+def _supervised() -> dict[str, list[str]]:
+    """Each program of deploy/supervisord.conf as the image runs it: ``$PY -m uvicorn ...`` is
+    ``uvicorn ...``, ``$PY -m serving_agent ...`` is ``python -m serving_agent ...``."""
     out = {}
-    for line in (ROOT / "Procfile").read_text().splitlines():
-        if ":" in line and not line.startswith("#"):
-            name, cmd = line.split(":", 1)
-            argv = shlex.split(cmd)
-            argv[0] = Path(argv[0]).name  # .venv/bin/uvicorn -> uvicorn
-            out[name.strip()] = argv
+    config = _supervisord()
+    for section in config.sections():
+        if section.startswith("program:"):
+            argv = shlex.split(config[section]["command"])
+            assert argv[0] == "%(ENV_PY)s", section  # the virtual environment's interpreter
+            argv = argv[2:] if argv[2] in ("uvicorn", "celery") else ["python", *argv[1:]]
+            out[section.removeprefix("program:")] = argv
     return out
 
 
@@ -359,8 +373,8 @@ def test_migrate_job_runs_migrations():
     assert _pod_spec(job)["restartPolicy"] in ("OnFailure", "Never")
 
 
-def test_commands_agree_with_the_procfile():
-    procfile = _procfile()
+def test_commands_agree_with_supervisord_conf():
+    procfile = _supervised()
     web = _command(_find("Deployment", "switchyard-web"))
     assert web[0] == procfile["web"][0] == "uvicorn"
     assert web[1] == procfile["web"][1] == "platform_site.asgi:application"
@@ -374,3 +388,62 @@ def test_commands_agree_with_the_procfile():
     # The Dockerfile's default command is the web process too.
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert '"uvicorn", "platform_site.asgi:application"' in dockerfile
+
+
+def test_supervisord_restarts_each_process_alone_with_backoff():
+    config = _supervisord()
+    assert config["supervisord"]["nodaemon"] == "true"  # make up runs it in the foreground
+    programs = {s.removeprefix("program:") for s in config.sections() if s.startswith("program:")}
+    assert programs == {"web", "worker", "beat", "agent"}
+    for name in programs:
+        program = config[f"program:{name}"]
+        assert program["autorestart"] == "true", name
+        # A process failing at start is retried with supervisord's growing delay, not forever.
+        assert int(program["startsecs"]) > 0 and 0 < int(program["startretries"]) <= 20, name
+        # uvicorn's and Celery's child processes stop with their parent.
+        assert program["stopasgroup"] == program["killasgroup"] == "true", name
+    # make up runs this file.
+    assert "supervisord -c deploy/supervisord.conf" in (ROOT / "scripts" / "up.sh").read_text()
+
+
+def _probe_file(container: dict) -> str:
+    """The heartbeat file a worker, beat or agent container is told to refresh."""
+    env = {v["name"]: v.get("value") for v in container.get("env", [])}
+    argv = list(container.get("command", [])) + list(container.get("args", []))
+    if "--alive-file" in argv:
+        return _option(argv, "--alive-file")
+    return env["SWITCHYARD_ALIVE_FILE"]
+
+
+def _run_probe(command: list[str], path: Path) -> int:
+    """Run a probe's command here: the image's /app is this repository, the pod's file is path."""
+    argv = [sys.executable if a == "python" else a for a in command]
+    argv = [str(ROOT / a.removeprefix("/app/")) if a.startswith("/app/") else a for a in argv]
+    argv[argv.index("/tmp/switchyard-alive")] = str(path)
+    return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+
+@pytest.mark.parametrize("name", ["switchyard-worker", "switchyard-beat", "switchyard-agent-gpu"])
+def test_processes_without_http_have_heartbeat_probes(name, tmp_path):
+    """Liveness passes on a fresh heartbeat whatever it says and fails on a stale one;
+    readiness needs the line ``ready`` too; startup gives the first heartbeat time."""
+    (container,) = _pod_spec(_find("Deployment", name))["containers"]
+    assert _probe_file(container) == "/tmp/switchyard-alive"  # in the writable /tmp emptyDir
+    probes = {k: container[k]["exec"]["command"] for k in ("startupProbe", "livenessProbe")}
+    probes["readinessProbe"] = container["readinessProbe"]["exec"]["command"]
+    assert "--ready" in probes["readinessProbe"] and "--ready" not in probes["livenessProbe"]
+    assert (
+        container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"]
+        >= 60
+    )
+    heartbeat = tmp_path / "alive"
+    assert _run_probe(probes["livenessProbe"], heartbeat) == 1  # no heartbeat yet
+    heartbeat.write_text("not ready: no broker connection\n")
+    assert _run_probe(probes["livenessProbe"], heartbeat) == 0
+    assert _run_probe(probes["readinessProbe"], heartbeat) == 1
+    heartbeat.write_text("ready\n")
+    assert _run_probe(probes["readinessProbe"], heartbeat) == 0
+    stale = time.time() - 120
+    os.utime(heartbeat, (stale, stale))
+    assert _run_probe(probes["livenessProbe"], heartbeat) == 1
+    assert _run_probe(probes["readinessProbe"], heartbeat) == 1

@@ -81,3 +81,40 @@ async def test_sigterm_closes_the_connection_and_exits_zero(
             agent.kill()
     assert agent.returncode == 0, stderr.decode()
     assert ws.close_code == 1000
+
+
+def test_the_alive_file_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHYARD_ALIVE_FILE", "/tmp/alive")
+    assert parse_args(["--platform", "http://p", "--token", "t"]).alive_file == "/tmp/alive"
+    monkeypatch.delenv("SWITCHYARD_ALIVE_FILE")
+    assert parse_args(["--platform", "http://p", "--token", "t"]).alive_file is None
+
+
+@pytest.mark.anyio
+async def test_the_alive_file_says_ready_once_connected(
+    platform: FakePlatform, tmp_path: Path
+) -> None:
+    alive = tmp_path / "alive"
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "serving_agent",
+        "--platform",
+        platform.url,
+        "--token",
+        platform.token,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--alive-file",
+        str(alive),
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        await platform.expect("hello", timeout=20)
+        async with asyncio.timeout(10):
+            while not alive.exists() or alive.read_text() != "ready\n":
+                await asyncio.sleep(0.1)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            await agent.wait()
