@@ -115,6 +115,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Idempotency-Key on the API's state-changing calls (needs the signed-in user: last).
+    "tenants.middleware.IdempotencyMiddleware",
 ]
 
 ROOT_URLCONF = "platform_site.urls"
@@ -223,6 +225,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "monitoring.tasks.purge_prediction_logs",
         "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
     },
+    "purge-idempotency-records": {
+        "task": "tenants.tasks.purge_idempotency_records",
+        "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
+    },
 }
 
 # Auth and i18n -----------------------------------------------------------------------------
@@ -271,6 +277,11 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Data path ---------------------------------------------------------------------------------
+# How long the first answer to a call with an Idempotency-Key is kept for its retries (the API
+# in the database, inference in Redis or in process).
+SWITCHYARD_IDEMPOTENCY_RETENTION_S = env_float("SWITCHYARD_IDEMPOTENCY_RETENTION_S", 24 * 3600)
+# Inference answers kept in process for Idempotency-Key retries without Redis (per process).
+SWITCHYARD_IDEMPOTENCY_CACHE_BYTES = env_int("SWITCHYARD_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024)
 # Deadline for one inference through an agent; past it the client gets 504.
 SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
 # How often each gateway process checks whether keys, routes or agents changed.
