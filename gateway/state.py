@@ -32,6 +32,7 @@ from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBu
 
 from .db import db_call
 from .dispatch import AgentLink, AgentPool, DispatchError
+from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
 from .metrics import Observed, RequestMetrics, fold_dispatched
 from .predlog import PredictionLogger
@@ -63,6 +64,8 @@ class GatewayState:
             else LocalLimiter()
         )
         self.infer_timeout = settings.SWITCHYARD_INFER_TIMEOUT_S
+        # First answers to inference sent with an Idempotency-Key (Redis, or this process).
+        self.answers: AnswerStore = answer_store()
         self.max_body = settings.SWITCHYARD_MAX_BODY_BYTES
         self._interval = settings.SWITCHYARD_REFRESH_INTERVAL_S
         self._keys: dict[str, KeyIdentity | None] = {}
