@@ -88,6 +88,9 @@ class LocalAnswers:
     async def release(self, scope: str) -> None:
         self._drop(scope)
 
+    def __contains__(self, scope: str) -> bool:
+        return scope in self._entries
+
     def _put(self, scope: str, record: _Record, expires: float) -> None:
         self._drop(scope)
         self._entries[scope] = _Entry(record, expires)
@@ -131,6 +134,9 @@ class RedisAnswers:
         return None
 
     async def complete(self, scope: str, record: _Record) -> None:
+        if scope in self.local:  # claimed here while Redis was unreachable: kept here too
+            await self.local.complete(scope, record)
+            return
         try:
             await self.redis.set(
                 REDIS_PREFIX + scope, _encode(record), ex=int(self.local.retention_s)
@@ -139,6 +145,9 @@ class RedisAnswers:
             await self._fallback(exc).complete(scope, record)
 
     async def release(self, scope: str) -> None:
+        if scope in self.local:
+            await self.local.release(scope)
+            return
         try:
             await self.redis.delete(REDIS_PREFIX + scope)
         except Exception as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 
 import pytest
 import redis
@@ -22,6 +23,7 @@ from gateway import state as state_module
 from gateway.api import predict_app, views
 from gateway.state import GatewayState
 from platform_site.asgi import application
+from tenants.idempotency import Stored
 from tests.factories import make_model, make_version
 from tests.test_generation import FakeAgent, make_textgen
 from tests.test_predict_api import FEATURES, OnnxAgent
@@ -203,3 +205,23 @@ def test_the_local_store_is_bounded_in_bytes():
     assert store.size <= 10_000 and len(store._entries) < 10
     # The newest answers are kept, the oldest went first.
     assert "1:1:k99" in store._entries and "1:1:k0" not in store._entries
+
+
+def test_while_redis_is_unreachable_the_process_keeps_answers_itself():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    store = idempotency.RedisAnswers(url, idempotency.LocalAnswers(60, 5, 10_000))
+
+    async def scenario() -> tuple[object, object]:
+        first = await idempotency.claim(store, 1, 1, "k", "POST", "/p", b"x")
+        assert first is not None and first.replay is None
+        store.circuit._retry_at = 0.0  # Redis may be tried again before the answer is kept
+        await first.keep(200, [("x-switchyard-arm", "baseline")], b"answer")
+        retry = await idempotency.claim(store, 1, 1, "k", "POST", "/p", b"x")
+        assert retry is not None
+        return retry.replay, "1:1:k" in store.local
+
+    replay, kept_locally = async_to_sync(scenario)()
+    assert kept_locally
+    assert replay == Stored(200, [("x-switchyard-arm", "baseline")], b"answer")
