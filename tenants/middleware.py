@@ -88,11 +88,12 @@ def _run_once(
             render = getattr(response, "render", None)
             if callable(render):
                 render()  # DRF's responses render late; the body is kept now
-            if response.status_code in idempotency.STORED_STATUSES and isinstance(
+            keep = response.status_code in idempotency.STORED_STATUSES and isinstance(
                 response, HttpResponse
-            ):
+            )
+            if keep:
                 idempotency.complete(claimed, _stored(response))
-                kept = True
+        kept = keep  # only once committed: a failed commit frees the key for the retry
     finally:
         if not kept:
             idempotency.release(claimed)

@@ -218,3 +218,22 @@ def test_calls_without_the_key_and_reads_are_untouched(served):
     read = client.get("/api/v1/models/clf/aliases/staging", HTTP_IDEMPOTENCY_KEY="a b")
     assert read.status_code == 200  # a GET never acts: its key is ignored, even a bad one
     assert not IdempotencyRecord.objects.exists()
+
+
+def test_the_schema_documents_the_key_and_its_statuses_on_every_change(world):
+    client = key_client(world.key_a)
+    schema = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    changes = [
+        (path, method, operation)
+        for path, operations in schema["paths"].items()
+        if path.startswith("/api/v1/")
+        for method, operation in operations.items()
+        if method in ("post", "put", "patch", "delete")
+    ]
+    assert len(changes) > 10
+    for path, method, operation in changes:
+        names = [p["name"] for p in operation.get("parameters", []) if p["in"] == "header"]
+        assert "Idempotency-Key" in names, (method, path)
+        assert {"400", "409", "422"} <= set(operation["responses"]), (method, path)
+    alias = schema["paths"]["/api/v1/models/{name}/aliases/{alias}"]
+    assert "Idempotency-Key" not in [p["name"] for p in alias["get"].get("parameters", [])]
