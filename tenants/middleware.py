@@ -88,10 +88,10 @@ def _run_once(
             render = getattr(response, "render", None)
             if callable(render):
                 render()  # DRF's responses render late; the body is kept now
-            keep = response.status_code in idempotency.STORED_STATUSES and isinstance(
-                response, HttpResponse
+            keep = isinstance(response, HttpResponse) and (
+                response.status_code in idempotency.STORED_STATUSES
             )
-            if keep:
+            if isinstance(response, HttpResponse) and keep:
                 idempotency.complete(claimed, _stored(response))
         kept = keep  # only once committed: a failed commit frees the key for the retry
     finally:
