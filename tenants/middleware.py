@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.utils.deprecation import MiddlewareMixin
 
 from platform_site.errors import Conflict, Invalid, Unprocessable
@@ -73,6 +74,8 @@ def _run_once(
         fingerprint = request_fingerprint(request)
     except RequestDataTooBig:
         return _error(413, "request body is larger than the limit")
+    except (MultiPartParserError, SuspiciousOperation) as exc:  # hostile or broken forms
+        return _error(400, f"the request body cannot be read as a form: {exc}")
     try:
         claimed = idempotency.begin(tenant_id, who, key, fingerprint)
     except Conflict as exc:

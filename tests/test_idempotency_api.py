@@ -237,3 +237,17 @@ def test_the_schema_documents_the_key_and_its_statuses_on_every_change(world):
         assert {"400", "409", "422"} <= set(operation["responses"]), (method, path)
     alias = schema["paths"]["/api/v1/models/{name}/aliases/{alias}"]
     assert "Idempotency-Key" not in [p["name"] for p in alias["get"].get("parameters", [])]
+
+
+def test_a_broken_multipart_body_with_a_key_is_a_400(world):
+    client = key_client(world.key_a)
+    assert client.post("/api/v1/models", {"name": "clf", "task": "classifier"}).status_code == 201
+    response = client.generic(
+        "POST",
+        "/api/v1/models/clf/versions",
+        b'--b\r\nContent-Disposition: form-data; name="artifact"; filename="m"\r\n\r\nx',
+        content_type="multipart/form-data; boundary=",  # no boundary: cannot be parsed
+        HTTP_IDEMPOTENCY_KEY="broken-1",
+    )
+    assert response.status_code == 400 and "cannot be read as a form" in response.json()["error"]
+    assert not IdempotencyRecord.objects.exists()
