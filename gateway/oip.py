@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from . import pipeline, tracing
+from . import idempotency, pipeline, tracing
 from .asgi_io import error_body as _error
 from .asgi_io import header as _header
 from .asgi_io import read_body as _read_body
@@ -119,6 +119,21 @@ async def _infer(
     sched = pipeline.schedule(
         state, identity, parsed.parameters, _header(scope, pipeline.TIMEOUT_HEADER.encode())
     )
+    # A retry with the same Idempotency-Key gets the first answer; the binary header is part
+    # of the request (it says where the JSON ends).
+    claim = await pipeline.claim_key(
+        state,
+        identity,
+        _header(scope, idempotency.HEADER.encode()),
+        "POST",
+        scope["path"],
+        body,
+        (header_length or "").encode(),
+    )
+    if claim is not None and claim.replay is not None:
+        observed.predicting = False  # nothing was computed: no metrics, no log row
+        replay = claim.replay
+        return replay.status, replay.body, [*replay.headers, idempotency.REPLAYED]
     observed.mark("serialization")
     # A client that hangs up while it waits cancels its request, so the agent drops it
     # unrun if it is still queued (the body is read: the next message is the disconnect).
@@ -138,15 +153,23 @@ async def _infer(
             sched,
         )
     except asyncio.CancelledError:
+        if claim is not None:
+            in_background(claim.release())  # this task is being cancelled: not awaited here
         if not watch.client_left or task.uncancel():
             raise  # cancelled from outside (shutdown), not by the client leaving
         raise ApiError(499, "the client disconnected before the answer") from None
+    except BaseException:
+        if claim is not None:
+            await claim.release()  # not answered: the retry computes
+        raise
     finally:
         watch.stop()
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm, routed.degraded
     )
     observed.mark("serialization")
+    if claim is not None:
+        await claim.keep(200, headers, payload)
     return 200, payload, headers
 
 

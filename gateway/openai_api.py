@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.access import models_of
 
-from . import tracing
+from . import idempotency, tracing
 from .generation import GenerateParams, Generation, StopString, start_generation
-from .pipeline import ApiError, authenticate
+from .pipeline import ApiError, authenticate, claim_key
 from .state import get_state
 
 ERROR_TYPES = {
@@ -32,6 +32,8 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
 }
 # OpenAI knows "stop" and "length"; a cancelled stream has no client left to tell.
@@ -136,13 +138,27 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     if request.method != "POST":
         return openai_error(405, "use POST")
     state = get_state()
+    claim: idempotency.Claim | None = None
     try:
         identity = await authenticate(state, request.headers.get("Authorization"))
         body, params = _parse(request.body, chat)
+        if not body.stream:  # a stream cannot be given again: its key is not used
+            claim = await claim_key(
+                state,
+                identity,
+                request.headers.get(idempotency.HEADER),
+                "POST",
+                request.path,
+                request.body,
+            )
+            if claim is not None and claim.replay is not None:
+                return _replay(claim.replay)
         generation = await start_generation(
             state, identity, body.model, params, body.user, request.headers.get("X-Request-Id")
         )
     except ApiError as exc:
+        if claim is not None:
+            await claim.release()
         return openai_error(exc.status, exc.message, exc.headers)
     shape = _Shape(chat, body.model)
     response: HttpResponseBase
@@ -154,12 +170,29 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     else:
         try:
             text = await _collect(generation)
-        except ApiError as exc:
-            return openai_error(exc.status, exc.message, exc.headers)
+        except BaseException as exc:
+            if claim is not None:
+                await claim.release()  # not answered: the retry generates
+            if isinstance(exc, ApiError):
+                return openai_error(exc.status, exc.message, exc.headers)
+            raise
         response = JsonResponse(shape.whole(text, generation))
     response["x-switchyard-version"] = str(generation.routed.route.version)
     if generation.routed.arm:
         response["x-switchyard-arm"] = generation.routed.arm
+    if claim is not None:
+        kept = [
+            (h, response[h]) for h in ("x-switchyard-version", "x-switchyard-arm") if h in response
+        ]
+        await claim.keep(response.status_code, kept, response.content)
+    return response
+
+
+def _replay(stored: idempotency.Stored) -> HttpResponse:
+    """The first answer to a request sent again with its Idempotency-Key."""
+    response = HttpResponse(stored.body, status=stored.status, content_type="application/json")
+    for name, value in [*stored.headers, idempotency.REPLAYED]:
+        response[name] = value
     return response
 
 

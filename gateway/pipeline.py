@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from platform_site.errors import Conflict, Invalid, Unprocessable
 from platform_site.tokens import bearer
 from serving_agent.protocol import (
     INTERACTIVE,
@@ -27,6 +28,7 @@ from serving_agent.protocol import (
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 
+from . import idempotency
 from .breakers import Breaker
 from .dispatch import RETRY_STATUSES, DispatchError, status_of
 from .metrics import Observed
@@ -130,6 +132,29 @@ async def admit(
         observed.route = route
         observed.mark("routing")
     return identity, route
+
+
+async def claim_key(
+    state: GatewayState,
+    identity: KeyIdentity,
+    value: str | None,
+    method: str,
+    path: str,
+    *body: bytes,
+) -> idempotency.Claim | None:
+    """A request's hold on its ``Idempotency-Key`` (None without the header; see
+    ``gateway.idempotency.claim``), refusals as ``ApiError``: a malformed key 400, a key
+    whose first request still runs 409, a key used for another request 422."""
+    try:
+        return await idempotency.claim(
+            state.answers, identity.tenant_id, identity.key_id, value, method, path, *body
+        )
+    except Invalid as exc:
+        raise ApiError(400, f"{exc.field}: {exc}") from None
+    except Conflict as exc:
+        raise ApiError(409, str(exc), [("Retry-After", "1")]) from None
+    except Unprocessable as exc:
+        raise ApiError(422, str(exc)) from None
 
 
 def check_input(

@@ -33,6 +33,7 @@ from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBu
 from .breakers import Breaker
 from .db import db_call
 from .dispatch import AgentLink, AgentPool, DispatchError
+from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
 from .metrics import Observed, RequestMetrics, fold_dispatched
 from .predlog import PredictionLogger
@@ -70,6 +71,8 @@ class GatewayState:
         # One breaker per version (gateway.breakers): a version failing every request on
         # every agent is skipped for the next step of its model's fallback ladder.
         self.version_breakers: dict[int, Breaker] = {}
+        # First answers to inference sent with an Idempotency-Key (Redis, or this process).
+        self.answers: AnswerStore = answer_store()
         self.max_body = settings.SWITCHYARD_MAX_BODY_BYTES
         self._interval = settings.SWITCHYARD_REFRESH_INTERVAL_S
         self._keys: dict[str, KeyIdentity | None] = {}

@@ -25,6 +25,11 @@ class Forbidden(Exception):
     """The caller's role or identity does not allow this change: the API answers 403."""
 
 
+class Unprocessable(Exception):
+    """A request well formed but at odds with what was sent before (an ``Idempotency-Key``
+    reused for another request): the API answers 422."""
+
+
 class NotFound(Http404):
     """A lookup through the caller's tenant found nothing: 404 in the API and the pages.
 
@@ -42,6 +47,11 @@ class Invalid(ValueError):
 class _ConflictError(exceptions.APIException):
     status_code = 409
     default_code = "conflict"
+
+
+class _UnprocessableError(exceptions.APIException):
+    status_code = 422
+    default_code = "unprocessable"
 
 
 def _flatten(detail: Any, prefix: str = "") -> list[str]:
@@ -66,6 +76,8 @@ def _as_drf(exc: Exception) -> Exception:
         )
     if isinstance(exc, Conflict):
         return _ConflictError(str(exc))
+    if isinstance(exc, Unprocessable):
+        return _UnprocessableError(str(exc))
     if isinstance(exc, Forbidden):
         return exceptions.PermissionDenied(str(exc))
     if isinstance(exc, Http404):

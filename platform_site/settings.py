@@ -121,6 +121,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Idempotency-Key on the API's state-changing calls (needs the signed-in user).
+    "tenants.middleware.IdempotencyMiddleware",
     "axes.middleware.AxesMiddleware",  # last, as django-axes asks: answers a locked-out login
 ]
 
@@ -237,6 +239,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "monitoring.tasks.purge_prediction_logs",
         "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
     },
+    "purge-idempotency-records": {
+        "task": "tenants.tasks.purge_idempotency_records",
+        "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
+    },
 }
 
 # Auth and i18n -----------------------------------------------------------------------------
@@ -303,9 +309,18 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",  # the default
+        "tenants.schema.document_idempotency_key",
+    ],
 }
 
 # Data path ---------------------------------------------------------------------------------
+# How long the first answer to a call with an Idempotency-Key is kept for its retries (the API
+# in the database, inference in Redis or in process).
+SWITCHYARD_IDEMPOTENCY_RETENTION_S = env_float("SWITCHYARD_IDEMPOTENCY_RETENTION_S", 24 * 3600)
+# Inference answers kept in process for Idempotency-Key retries without Redis (per process).
+SWITCHYARD_IDEMPOTENCY_CACHE_BYTES = env_int("SWITCHYARD_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024)
 # Deadline for one inference through an agent; past it the client gets 504.
 SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
 # Circuit breakers (per agent link and per version): this many consecutive failures open one,

@@ -149,3 +149,31 @@ class AuditEvent(models.Model):
 
     def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
         raise ValidationError("Audit events are append-only.")
+
+
+class IdempotencyRecord(models.Model):
+    """The first answer to a state-changing API call sent with an ``Idempotency-Key``, kept for
+    the retention window so a retry by the same caller gets it back instead of acting twice.
+
+    ``status`` is null while the first call is still running (a retry then gets 409)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    caller = models.CharField(max_length=40)  # "key:<id>" or "user:<id>": keys are per caller
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)  # of the method, path and body
+    status = models.PositiveSmallIntegerField(null=True, blank=True)
+    headers = models.JSONField(default=list, blank=True)
+    body = models.BinaryField(default=b"", blank=True)
+    created_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "caller", "key"],
+                name="idempotency_key_once_per_caller",
+                violation_error_message="This Idempotency-Key is already in use by this caller.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.caller} {self.key!r} ({self.status or 'in progress'})"

@@ -26,7 +26,7 @@ from rest_framework.exceptions import ValidationError
 
 from platform_site.errors import api_exception_handler
 
-from .. import pipeline, tracing
+from .. import idempotency, pipeline, tracing
 from ..asgi_io import error_body, header, read_body, respond
 from ..asgi_types import Receive, Scope, Send
 from ..dispatch import in_background
@@ -145,23 +145,37 @@ async def _predict(
     identity, route = await pipeline.admit(
         state, header("authorization"), url.name, version, observed
     )
-    data = parse_body(header("content-type"), await read())
+    raw = await read()
+    data = parse_body(header("content-type"), raw)
     names, arrays, outputs = arrays_from_predict_body(data, route)
     # The key's class; a deadline shorter than the server's from the header, as on OIP.
     sched = pipeline.schedule(state, identity, None, header(pipeline.TIMEOUT_HEADER))
+    claim = await pipeline.claim_key(
+        state, identity, header(idempotency.HEADER), "POST", _path_of(url), raw
+    )
+    if claim is not None and claim.replay is not None:
+        reply.observed = None  # nothing was computed: no metrics, no log row
+        reply.status = claim.replay.status
+        reply.headers = [*claim.replay.headers, idempotency.REPLAYED]
+        return claim.replay.body
     observed.mark("serialization")
     parsed = pipeline.ParsedInfer(None, names, arrays, outputs, set())
-    routed, result = await pipeline.predict(
-        state,
-        identity,
-        route,
-        url.version is not None,
-        lambda h: header(h.lower()),
-        parsed,
-        observed,
-        reply.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
-        sched,
-    )
+    try:
+        routed, result = await pipeline.predict(
+            state,
+            identity,
+            route,
+            url.version is not None,
+            lambda h: header(h.lower()),
+            parsed,
+            observed,
+            reply.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
+            sched,
+        )
+    except BaseException:
+        if claim is not None:
+            in_background(claim.release())  # not answered: the retry computes
+        raise
     answer: dict[str, Any] = {
         "model": routed.route.model_name,
         "version": routed.route.version,
@@ -176,7 +190,16 @@ async def _predict(
     # numpy arrays written by orjson itself: ~10x cheaper than .tolist() and then encoding.
     payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list)
     observed.mark("serialization")
+    if claim is not None:
+        await claim.keep(200, reply.headers, payload)
     return payload
+
+
+def _path_of(url: PredictURL) -> str:
+    """The request's identity for its key: the model and version it names (the same whether
+    it came through the lean app or Django)."""
+    version = "" if url.version is None else f"/versions/{url.version}"
+    return f"/api/v1/models/{url.name}{version}/predict"
 
 
 def parse_body(content_type: str | None, body: bytes) -> dict[str, Any]:

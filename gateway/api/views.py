@@ -34,6 +34,10 @@ class PredictView(APIView):
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [AllowAny]
 
+    # Its Idempotency-Key is the data path's (gateway.idempotency, in ``answer``), kept off the
+    # database, not the control plane's (tenants.middleware).
+    idempotency_in_view = True
+
     def perform_authentication(self, request: Request) -> None:
         pass  # see authentication_classes
 
