@@ -18,7 +18,7 @@ import orjson
 from django.conf import settings
 from google.protobuf.message import Message
 
-from . import grpc_codec, pipeline, tracing
+from . import grpc_codec, idempotency, pipeline, tracing
 from .dispatch import in_background
 from .metrics import Observed
 from .oip import SERVER_METADATA, model_metadata
@@ -121,8 +121,11 @@ async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.Mod
     observed.predicting = True
     after: After = []
     error: ApiError | None = None
+    replayed = False
     try:
-        reply = await _infer(state, request, metadata, observed, after, context.time_remaining())
+        reply, replayed = await _infer(
+            state, request, metadata, observed, after, context.time_remaining()
+        )
     except ApiError as exc:
         error = exc
     except Exception:
@@ -133,7 +136,8 @@ async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.Mod
         in_background(coro)
     if error is not None:
         await _abort(context, error, trace.headers())
-    context.set_trailing_metadata(trace.headers())
+    replay_trailer = [(idempotency.REPLAYED[0].lower(), "true")] if replayed else []
+    context.set_trailing_metadata([*trace.headers(), *replay_trailer])
     return reply
 
 
@@ -144,7 +148,9 @@ async def _infer(
     observed: Observed,
     after: After,
     time_left: float | None = None,
-) -> pb.ModelInferResponse:
+) -> tuple[pb.ModelInferResponse, bool]:
+    """The reply, and whether it is the first answer to an earlier call with the same
+    ``idempotency-key`` metadata (then nothing was computed)."""
     version = request.model_version or None
     identity, route = await pipeline.admit(
         state, metadata.get("authorization"), request.model_name, version, observed
@@ -158,18 +164,34 @@ async def _infer(
     )
     if time_left is not None:  # the client's gRPC deadline travels to the agent too
         sched = replace(sched, budget_ms=max(min(sched.budget_ms, time_left * 1000), 1.0))
+    # A retry with the same idempotency-key (metadata, as the REST header) gets the first
+    # answer; the request's own bytes are what it must match. Only calls with the key pay.
+    key = metadata.get(idempotency.HEADER)
+    claim = None
+    if key is not None:
+        claim = await pipeline.claim_key(
+            state, identity, key, "POST", "grpc:ModelInfer", request.SerializeToString()
+        )
+        if claim is not None and claim.replay is not None:
+            observed.predicting = False  # nothing was computed: no metrics, no log row
+            return pb.ModelInferResponse.FromString(claim.replay.body), True
     observed.mark("serialization")
-    routed, outputs = await pipeline.predict(
-        state,
-        identity,
-        route,
-        version is not None,
-        lambda name: metadata.get(name.lower()),
-        parsed,
-        observed,
-        after,
-        sched,
-    )
+    try:
+        routed, outputs = await pipeline.predict(
+            state,
+            identity,
+            route,
+            version is not None,
+            lambda name: metadata.get(name.lower()),
+            parsed,
+            observed,
+            after,
+            sched,
+        )
+    except BaseException:
+        if claim is not None:  # not answered: the retry computes
+            in_background(claim.release())  # (this task may be being cancelled)
+        raise
     reply = grpc_codec.render_infer(
         routed.route,
         parsed.id,
@@ -179,7 +201,9 @@ async def _infer(
         routed.degraded,
     )
     observed.mark("serialization")
-    return reply
+    if claim is not None:
+        await claim.keep(200, [], reply.SerializeToString())
+    return reply, False
 
 
 def _unary(

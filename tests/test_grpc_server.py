@@ -378,3 +378,31 @@ def test_a_malformed_timeout_parameter_is_invalid_argument(site):
     error = call(site, "ModelInfer", request, bearer(site.key_a))
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "parameters.timeout" in error.details()
+
+
+def test_a_retried_infer_with_the_same_idempotency_key_is_computed_once(site):
+    first, other = infer_request(X), infer_request(X * 2)
+    keyed = [*bearer(site.key_a), ("idempotency-key", "txn-7")]
+
+    async def scenario(address: str) -> Any:
+        agent = add_agent(site)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = triton_grpc.GRPCInferenceServiceStub(channel)
+            answers = []
+            for _ in range(2):
+                done = stub.ModelInfer(first, metadata=keyed)
+                answers.append((await done, dict(await done.trailing_metadata())))
+            try:
+                await stub.ModelInfer(other, metadata=keyed)
+            except grpc.aio.AioRpcError as error:
+                return answers, error, len(agent.requests)
+        raise AssertionError("the same key for another request was answered")
+
+    answers, mismatch, computed = serve(site, scenario, agent=False)
+    (one, one_call), (two, two_call) = answers
+    assert one == two and one.outputs
+    assert "idempotent-replayed" not in one_call
+    assert two_call["idempotent-replayed"] == "true"
+    assert computed == 1  # the retry was the first answer again, never sent to the agent
+    assert mismatch.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "idempotency" in mismatch.details().lower()
