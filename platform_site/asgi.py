@@ -20,6 +20,7 @@ from gateway import grpc_server, links  # noqa: E402
 from gateway.api.predict_app import predict_app, predict_url  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.consumers import AgentConsumer  # noqa: E402
+from gateway.http_bounds import bound_body_reads  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
 from gateway.state import all_states, get_state  # noqa: E402
@@ -98,7 +99,8 @@ async def flush_prediction_logs(timeout_s: float = 5.0) -> None:
 
 application = ProtocolTypeRouter(
     {
-        "http": http_app,
+        # A request body that stops arriving is answered 408 (the server bounds the headers).
+        "http": bound_body_reads(http_app),
         "websocket": URLRouter(websocket_urlpatterns),
         "lifespan": lifespan_app,
     }
