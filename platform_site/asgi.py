@@ -31,6 +31,9 @@ from serving_agent.protocol import AGENT_WS_PATH  # noqa: E402
 # own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware
 # forced sync/async hops on every request and stalled the prediction API at 64 clients.
 static_app = ASGIStaticFilesHandler(django_app)
+# Django reads (and spools to disk) a whole body before any view runs: its bodies are bounded
+# in time and size here (408/413). The lean apps bound their own in ``asgi_io.read_body``.
+bounded_django_app = bound_body_reads(django_app)
 STATIC_PREFIX = "/" + settings.STATIC_URL.lstrip("/")
 
 
@@ -45,7 +48,7 @@ async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
     elif path.startswith(STATIC_PREFIX):
         await static_app(scope, receive, send)
     else:
-        await django_app(scope, receive, send)
+        await bounded_django_app(scope, receive, send)
 
 
 # Agents' data links to this process: only the agent socket is served on that address.
@@ -99,8 +102,7 @@ async def flush_prediction_logs(timeout_s: float = 5.0) -> None:
 
 application = ProtocolTypeRouter(
     {
-        # A request body that stops arriving is answered 408 (the server bounds the headers).
-        "http": bound_body_reads(http_app),
+        "http": http_app,
         "websocket": URLRouter(websocket_urlpatterns),
         "lifespan": lifespan_app,
     }
