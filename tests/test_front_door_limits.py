@@ -33,6 +33,7 @@ from tenants.models import ApiKey, AuditEvent
 from tenants.ratelimit import InFlightLimit
 from tests.factories import make_model, make_version
 from tests.test_generation import FakeAgent, frames_until_end, make_textgen, socket
+from tests.test_grpc_server import X, bearer, infer_request, serve, site  # noqa: F401 (a fixture)
 
 FEATURES = ["amount", "hour", "risk", "age"]
 OIP_BODY = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]}
@@ -44,7 +45,7 @@ class HeldAgent:
 
     def __init__(self, state: GatewayState, version_id: int) -> None:
         self.pool = state.pool
-        self.held: list[InferRequest] = []
+        self.held: list[tuple[InferRequest, int]] = []  # each request and its batch size
         self.arrived = asyncio.Event()
         self.link = AgentLink("held", self.receive)
         self.pool.add(self.link)
@@ -52,15 +53,15 @@ class HeldAgent:
 
     async def receive(self, message: bytes) -> None:
         for frame in unpack_frames(message):
-            request, _ = decode_frame(frame)
+            request, arrays = decode_frame(frame)
             assert isinstance(request, InferRequest)
-            self.held.append(request)
+            self.held.append((request, len(arrays[0])))
             self.arrived.set()
 
     def answer_all(self) -> None:
-        for request in self.held:
-            out = [np.zeros((1, 2), dtype=np.float32)]
-            self.pool.deliver(self.link, result_frame(request.id, ["scores"], out))
+        for request, rows in self.held:
+            out = [np.zeros((rows, 2), dtype=np.float32)]
+            self.pool.deliver(self.link, result_frame(request.id, ["y"], out))
         self.held = []
 
 
@@ -321,3 +322,39 @@ def test_the_admin_sets_a_keys_limit_audited(admin_client, world):
     key.refresh_from_db()
     assert key.max_in_flight == 3
     assert AuditEvent.objects.get(action="key.max_in_flight").after == {"max_in_flight": 3}
+
+
+@pytest.mark.django_db
+def test_grpc_past_the_keys_in_flight_limit_is_resource_exhausted(site):  # noqa: F811
+    import grpc
+    import tritonclient.grpc.service_pb2_grpc as triton_grpc
+
+    _, raw = create_api_key(site_tenant(site), "one at once", max_in_flight=1)
+
+    async def scenario(address: str):
+        agent = HeldAgent(site.state, site.version_id)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = triton_grpc.GRPCInferenceServiceStub(channel)
+            held = asyncio.ensure_future(stub.ModelInfer(infer_request(X), metadata=bearer(raw)))
+            while not agent.held:
+                await asyncio.sleep(0.01)
+            try:
+                await stub.ModelInfer(infer_request(X), metadata=bearer(raw))
+            except grpc.aio.AioRpcError as error:
+                refused = error
+            else:
+                raise AssertionError("the second call was not limited")
+            agent.answer_all()
+            return await held, refused
+
+    answered, refused = serve(site, scenario, agent=False)
+    assert list(answered.outputs[0].shape) == [2, 2]
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "too many requests in flight for this API key" in refused.details()
+    assert dict(refused.trailing_metadata())["retry-after"] == "1"
+
+
+def site_tenant(grpc_site):
+    from registry.models import ModelVersion
+
+    return ModelVersion.objects.get(pk=grpc_site.version_id).model.tenant
