@@ -15,6 +15,11 @@ same-origin only). Then, any number of times, possibly at once:
 A problem is an error frame ``{"type": "error", "id": ..., "code": ..., "message": ...}``; the
 socket stays open except for a bad key (closed 4401) and a client too slow to read its tokens
 (closed 4408). Closing the socket cancels every generation on it at the agent.
+
+A key is checked again on every ``generate`` frame and every ``SWITCHYARD_WS_KEY_RECHECK_S``
+while the socket is open (against the gateway's key cache, which drops a revoked key within a
+refresh interval): once it is revoked, each running generation gets an error frame
+(``unauthorized``), is cancelled at the agent, and the socket is closed 4401.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from django.conf import settings
 from django.http.request import validate_host
 from pydantic import ValidationError
 
+from platform_site.tokens import bearer
 from tenants.keys import KeyIdentity
 from tenants.members import session_identity
 
 from .db import db_call
-from .dispatch import SlowClient
+from .dispatch import DispatchError, SlowClient
 from .generation import GenerateParams, start_generation
 from .pipeline import ApiError, authenticate
 from .state import get_state
@@ -77,6 +83,9 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         self.model_name: str = self.scope["url_route"]["kwargs"]["name"]
         self.state = get_state()
         self.identity: KeyIdentity | None = None
+        self.raw_key: str | None = None  # set when a key (not a session) authenticated
+        self.recheck: asyncio.Task[None] | None = None
+        self.revoked = False
         self.running: dict[str, asyncio.Task[None]] = {}
         await self.accept()
         headers = dict(self.scope.get("headers") or [])
@@ -88,6 +97,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             self.identity = await db_call(session_identity)(user, self.scope["session"])
 
     async def disconnect(self, code: int) -> None:
+        if self.recheck is not None:
+            self.recheck.cancel()
         for task in self.running.values():
             task.cancel()  # each task's ``finally`` cancels its stream at the agent
         await asyncio.gather(*self.running.values(), return_exceptions=True)
@@ -108,7 +119,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.error(message.get("id") if kind else None, 401, "authenticate first")
             await self.close(CLOSE_UNAUTHORIZED)
         elif kind == "generate":
-            await self._generate(message)
+            if await self._key_still_valid():
+                await self._generate(message)
         elif kind == "cancel":
             task = self.running.get(str(message.get("id")))
             if task is not None:
@@ -122,6 +134,40 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         except ApiError as exc:
             await self.error(None, exc.status, exc.message)
             await self.close(CLOSE_UNAUTHORIZED)
+            return
+        self.raw_key = bearer(authorization)
+        if self.recheck is None:
+            self.recheck = asyncio.create_task(self._recheck_key())
+
+    async def _key_still_valid(self) -> bool:
+        """Whether the socket's key is still active (always, for a signed-in session). A
+        revoked key ends every generation on the socket and closes it; a database that does
+        not answer leaves the socket as it is (the key was valid when last seen)."""
+        if self.raw_key is None:
+            return True
+        try:
+            identity = await self.state.identify(self.raw_key, used=False)
+        except DispatchError:
+            return True
+        if identity is not None:
+            self.identity = identity  # a changed priority or limit applies from now on
+            return True
+        self.raw_key = None
+        self.revoked = True
+        for stream_id, task in list(self.running.items()):
+            task.cancel()
+            await self.error(stream_id, 401, "the API key was revoked")
+        await self.error(None, 401, "the API key was revoked")
+        await self.close(CLOSE_UNAUTHORIZED)
+        return False
+
+    async def _recheck_key(self) -> None:
+        """Re-check the key while the socket is open, so that a long stream does not outlive
+        its key's revocation by more than ``SWITCHYARD_WS_KEY_RECHECK_S`` (plus the cache's
+        refresh interval)."""
+        while self.raw_key is not None:
+            await asyncio.sleep(settings.SWITCHYARD_WS_KEY_RECHECK_S)
+            await self._key_still_valid()
 
     async def _generate(self, message: dict[str, Any]) -> None:
         try:
@@ -174,7 +220,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.error(stream_id, 429, exc.message)
             await self.close(CLOSE_SLOW_CLIENT)
         except asyncio.CancelledError:
-            if generation is not None and generation.finish_reason is None:
+            # A revocation has told the client already, with an error frame.
+            if generation is not None and generation.finish_reason is None and not self.revoked:
                 await self._send_quietly(
                     {"type": "done", "id": stream_id, "finish_reason": "cancelled"}
                 )

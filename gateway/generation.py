@@ -22,7 +22,14 @@ from tenants.stream_budget import RENEW_S, BudgetExceeded
 
 from . import metrics, tracing
 from .dispatch import DispatchError, SlowClient, StreamInbox
-from .pipeline import ApiError, Routed, resolve, route_request
+from .pipeline import (
+    ApiError,
+    Routed,
+    hold_in_flight,
+    release_in_flight,
+    resolve,
+    route_request,
+)
 from .state import GatewayState, Progress
 
 StopString = Annotated[str, Field(min_length=1, max_length=64)]
@@ -130,6 +137,7 @@ class Generation:
         if self.finish_reason is None:
             await self.stream.cancel()
         self.state.pool.close_stream(self.stream)
+        release_in_flight(self.state, self.identity)
         await self.state.streams.finish(self.identity, self.slot, self.usage.output_tokens)
 
     def _record(self, ok: bool) -> None:
@@ -160,7 +168,27 @@ async def start_generation(
     request_id: str | None = None,
     on_loading: Progress | None = None,
 ) -> Generation:
-    """Resolve the model (through its rollout plan), check every limit, start the stream."""
+    """Resolve the model (through its rollout plan), check every limit, start the stream. The
+    stream counts against its key's in-flight limit until ``Generation.close``."""
+    hold_in_flight(state, identity)
+    try:
+        return await _start(
+            state, identity, model_name, params, routing_key, request_id, on_loading
+        )
+    except BaseException:
+        release_in_flight(state, identity)
+        raise
+
+
+async def _start(
+    state: GatewayState,
+    identity: KeyIdentity,
+    model_name: str,
+    params: GenerateParams,
+    routing_key: str | None,
+    request_id: str | None,
+    on_loading: Progress | None,
+) -> Generation:
     started = time.perf_counter()
     route = await resolve(state, identity, model_name, None)
     routed = await route_request(

@@ -21,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.access import models_of
+from serving_agent.protocol import TokenChunk
 
 from . import idempotency, tracing
 from .generation import GenerateParams, Generation, StopString, start_generation
@@ -32,7 +33,9 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
@@ -163,8 +166,17 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     shape = _Shape(chat, body.model)
     response: HttpResponseBase
     if body.stream:
+        # The first frame is awaited before the 200 goes out: an agent that sheds the stream
+        # (overloaded, queue full, deadline) answers then, and the client must get that as
+        # OpenAI's error with its status and Retry-After, not as an event in a 200 stream.
+        chunks = generation.chunks()
+        try:
+            first = await anext(chunks, None)
+        except ApiError as exc:
+            await generation.close()
+            return openai_error(exc.status, exc.message, exc.headers)
         response = StreamingHttpResponse(
-            _events(generation, shape), content_type="text/event-stream"
+            _events(generation, chunks, first, shape), content_type="text/event-stream"
         )
         response["Cache-Control"] = "no-cache"
     else:
@@ -234,13 +246,22 @@ async def _collect(generation: Generation) -> str:
         await generation.close()
 
 
-async def _events(generation: Generation, shape: _Shape) -> AsyncIterator[str]:
-    """Server-sent events; a client that disconnects cancels the stream at the agent."""
+async def _events(
+    generation: Generation,
+    chunks: AsyncIterator[TokenChunk],
+    head: TokenChunk | None,
+    shape: _Shape,
+) -> AsyncIterator[str]:
+    """Server-sent events, from the first chunk (``head``, already received; None when the
+    stream ended without one) on; a client that disconnects cancels the stream at the agent.
+    An error once the 200 is sent can only be an event (OpenAI does the same)."""
     try:
         first = True
-        async for chunk in generation.chunks():
-            yield _sse(shape.chunk(chunk.text, None, first))
+        if head is not None:
+            yield _sse(shape.chunk(head.text, None, first))
             first = False
+            async for chunk in chunks:
+                yield _sse(shape.chunk(chunk.text, None, first))
         yield _sse(shape.chunk("", FINISH.get(generation.finish_reason or "stop"), first))
     except ApiError as exc:
         error = {"message": exc.message, "type": ERROR_TYPES.get(exc.status, "server_error")}

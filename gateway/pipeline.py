@@ -9,7 +9,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -429,6 +430,36 @@ async def route_request(
     return Routed(route, arm.name, split.plan_id, split.shadow_for(key))
 
 
+IN_FLIGHT_RETRY_AFTER_S = 1
+
+
+def hold_in_flight(state: GatewayState, identity: KeyIdentity) -> None:
+    """Count a request against its key's ``max_in_flight`` in this process, or refuse it with
+    429 at once: a client that opens more requests than its key allows waits for none of them.
+    Every successful call is paired with ``release_in_flight``."""
+    if not state.in_flight.enter((identity.tenant_id, identity.key_id), identity.max_in_flight):
+        raise ApiError(
+            429,
+            f"too many requests in flight for this API key (at most {identity.max_in_flight} "
+            "at once per gateway process); retry when one has been answered",
+            [("Retry-After", str(IN_FLIGHT_RETRY_AFTER_S))],
+        )
+
+
+def release_in_flight(state: GatewayState, identity: KeyIdentity) -> None:
+    state.in_flight.leave((identity.tenant_id, identity.key_id))
+
+
+@contextmanager
+def in_flight(state: GatewayState, identity: KeyIdentity) -> Iterator[None]:
+    """Hold one of the key's in-flight places while the block runs (see ``hold_in_flight``)."""
+    hold_in_flight(state, identity)
+    try:
+        yield
+    finally:
+        release_in_flight(state, identity)
+
+
 async def predict(
     state: GatewayState,
     identity: KeyIdentity,
@@ -440,9 +471,27 @@ async def predict(
     after: After,
     sched: Schedule,
 ) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
-    """An admitted, parsed prediction: choose the arm, run it as ``sched`` says (see
-    ``schedule``), and queue the shadow copy (if the plan samples one) on ``after``, to run
-    once the reply is sent."""
+    """An admitted, parsed prediction, within its key's in-flight limit: choose the arm, run it
+    as ``sched`` says (see ``schedule``), and queue the shadow copy (if the plan samples one) on
+    ``after``, to run once the reply is sent. Every tensor front door (OIP REST and gRPC, the
+    prediction API) calls it."""
+    with in_flight(state, identity):
+        return await _predict(
+            state, identity, route, explicit_version, header, parsed, observed, after, sched
+        )
+
+
+async def _predict(
+    state: GatewayState,
+    identity: KeyIdentity,
+    route: Route,
+    explicit_version: bool,
+    header: Callable[[str], str | None],
+    parsed: ParsedInfer,
+    observed: Observed,
+    after: After,
+    sched: Schedule,
+) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
     routed = await route_request(state, identity, route, explicit_version, header, parsed.id)
     observed.arm = routed.arm
     observed.mark("routing")

@@ -27,7 +27,7 @@ from monitoring.traffic import TrafficCounter, save_samples
 from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
 from tenants.keys import KeyIdentity, identify_key, record_key_use
-from tenants.ratelimit import LocalLimiter, RedisLeaseLimiter
+from tenants.ratelimit import InFlightLimit, LocalLimiter, RedisLeaseLimiter
 from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
 from .breakers import Breaker
@@ -66,6 +66,7 @@ class GatewayState:
             if settings.REDIS_URL
             else LocalLimiter()
         )
+        self.in_flight = InFlightLimit()  # each API key's requests at once in this process
         self.infer_timeout = settings.SWITCHYARD_INFER_TIMEOUT_S
         self.pool.full_budget_s = self.infer_timeout
         # One breaker per version (gateway.breakers): a version failing every request on
@@ -108,13 +109,15 @@ class GatewayState:
         self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
 
     # Cached lookups ----------------------------------------------------------------------------
-    async def identify(self, raw_key: str) -> KeyIdentity | None:
+    async def identify(self, raw_key: str, used: bool = True) -> KeyIdentity | None:
+        """The key's identity, from the cache (dropped within a refresh interval of a change
+        such as a revocation); ``used=False`` for a re-check that is not a use of the key."""
         try:
             identity = self._keys[raw_key]
         except KeyError:
             identity = await lookup(identify_key, raw_key)
             self._remember(self._keys, raw_key, identity)
-        if identity is not None:
+        if identity is not None and used:
             self._key_use[identity.key_id] = timezone.now()
         return identity
 

@@ -20,6 +20,7 @@ from gateway import grpc_server, links  # noqa: E402
 from gateway.api.predict_app import predict_app, predict_url  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.consumers import AgentConsumer  # noqa: E402
+from gateway.http_bounds import bound_body_reads  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
 from gateway.state import all_states, get_state  # noqa: E402
@@ -30,6 +31,9 @@ from serving_agent.protocol import AGENT_WS_PATH  # noqa: E402
 # own path, so no sync-only middleware (WhiteNoise) sits in Django's chain: one such middleware
 # forced sync/async hops on every request and stalled the prediction API at 64 clients.
 static_app = ASGIStaticFilesHandler(django_app)
+# Django reads (and spools to disk) a whole body before any view runs: its bodies are bounded
+# in time and size here (408/413). The lean apps bound their own in ``asgi_io.read_body``.
+bounded_django_app = bound_body_reads(django_app)
 STATIC_PREFIX = "/" + settings.STATIC_URL.lstrip("/")
 
 
@@ -44,7 +48,7 @@ async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
     elif path.startswith(STATIC_PREFIX):
         await static_app(scope, receive, send)
     else:
-        await django_app(scope, receive, send)
+        await bounded_django_app(scope, receive, send)
 
 
 # Agents' data links to this process: only the agent socket is served on that address.

@@ -44,6 +44,15 @@ class Invalid(ValueError):
         self.field = field
 
 
+class TooLarge(Invalid):
+    """An upload larger than the platform accepts: the API answers 413 naming ``field``."""
+
+
+class _TooLargeError(exceptions.ValidationError):
+    status_code = 413
+    default_code = "too_large"
+
+
 class _ConflictError(exceptions.APIException):
     status_code = 409
     default_code = "conflict"
@@ -68,6 +77,8 @@ def _flatten(detail: Any, prefix: str = "") -> list[str]:
 
 def _as_drf(exc: Exception) -> Exception:
     """The DRF exception that answers a domain error (others pass through unchanged)."""
+    if isinstance(exc, TooLarge):
+        return _TooLargeError({exc.field: [str(exc)]})
     if isinstance(exc, Invalid):
         return exceptions.ValidationError({exc.field: [str(exc)]})
     if isinstance(exc, DjangoValidationError):

@@ -287,10 +287,21 @@ STATICFILES_DIRS = [
 ]
 MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(SWITCHYARD_VAR_DIR / "media")))
 MEDIA_URL = "media/"
+# Uploads above this are spooled to disk by Django, then hashed, checked and moved into
+# storage from there (registry.services.create_version): never held in memory whole.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024
+# Largest model artifact (upload: 413 past it), and largest request body of any kind, checked
+# as it arrives (gateway/http_bounds.py): an artifact plus its form fields.
+SWITCHYARD_MAX_ARTIFACT_BYTES = env_int("SWITCHYARD_MAX_ARTIFACT_BYTES", 2 * 1024 * 1024 * 1024)
+SWITCHYARD_MAX_UPLOAD_BYTES = SWITCHYARD_MAX_ARTIFACT_BYTES + 1024 * 1024
 # Largest request body (inference and API); larger ones get 413.
 SWITCHYARD_MAX_BODY_BYTES = env_int("SWITCHYARD_MAX_BODY_BYTES", 16 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SWITCHYARD_MAX_BODY_BYTES
+# Half-sent requests (gateway/http_bounds.py): the request line and headers must arrive
+# within this long of the connection (or the request) starting, and a body may pause at most
+# this long between two pieces; past either, 408 and the connection is closed.
+SWITCHYARD_HEADER_TIMEOUT_S = env_float("SWITCHYARD_HEADER_TIMEOUT_S", 10)
+SWITCHYARD_BODY_TIMEOUT_S = env_float("SWITCHYARD_BODY_TIMEOUT_S", 30)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -327,6 +338,8 @@ SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
 # and for this long nothing is sent there; then one probe request decides (see gateway.breakers).
 SWITCHYARD_BREAKER_FAILURES = env_int("SWITCHYARD_BREAKER_FAILURES", 5)
 SWITCHYARD_BREAKER_COOLDOWN_S = env_float("SWITCHYARD_BREAKER_COOLDOWN_S", 5)
+# An open generation websocket re-checks its API key this often (a revoked key's streams stop).
+SWITCHYARD_WS_KEY_RECHECK_S = env_float("SWITCHYARD_WS_KEY_RECHECK_S", 2)
 # How often each gateway process checks whether keys, routes or agents changed.
 SWITCHYARD_REFRESH_INTERVAL_S = env_float("SWITCHYARD_REFRESH_INTERVAL_S", 0.5)
 # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).

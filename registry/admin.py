@@ -55,7 +55,7 @@ class VersionUploadForm(forms.ModelForm):
             k: data[k] for k in self.Meta.fields if k in data and k not in ("model", "upload")
         }
         try:
-            self.created = create_version(model, upload.read(), **details)
+            self.created = create_version(model, upload, **details)
         except SignatureError as exc:
             raise forms.ValidationError({"upload": f"{exc.field}: {exc}"}) from None
         return data

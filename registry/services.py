@@ -4,14 +4,18 @@ in ``registry.access``)."""
 from __future__ import annotations
 
 import hashlib
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.files.base import ContentFile
+from django.core.files.base import ContentFile, File
 from django.db import transaction
 from django.db.models import Max, Q, QuerySet
 
-from platform_site.errors import NotFound
+from platform_site.errors import NotFound, TooLarge
 from tenants.audit import SYSTEM, Actor, audit
 
 from .access import version_for
@@ -21,9 +25,9 @@ from .signature import (
     check_declared_matches,
     normalize_declared,
     read_onnx_signature,
+    read_onnx_signature_from_file,
 )
 
-MAX_ARTIFACT_BYTES = 2 * 1024 * 1024 * 1024
 # What an upload says about a version besides its serving settings: the artifact, its signature
 # and lineage. Immutable once the version exists.
 UPLOAD_FIELDS = (
@@ -71,7 +75,7 @@ TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
 
 def create_version(
     model: Model,
-    artifact: bytes,
+    artifact: bytes | File,
     *,
     inputs: Any = None,
     outputs: Any = None,
@@ -85,15 +89,20 @@ def create_version(
     A declared signature (``inputs``/``outputs``) must agree with the artifact's own, or the
     upload is refused; when none is declared the artifact's is recorded. A ``textgen`` artifact
     must be a safetensors file of the known architecture, checked without running any code.
+
+    ``artifact`` may be an uploaded file: one the server spooled to disk is hashed and checked
+    from disk in chunks, and moved into storage, never read into memory whole.
     """
-    if not artifact:
+    upload = artifact if isinstance(artifact, File) else ContentFile(artifact)
+    limit = settings.SWITCHYARD_MAX_ARTIFACT_BYTES
+    if not upload.size:
         raise SignatureError("artifact", "the uploaded file is empty")
-    if len(artifact) > MAX_ARTIFACT_BYTES:
-        raise SignatureError("artifact", "the uploaded file is larger than 2 GiB")
+    if upload.size > limit:
+        raise TooLarge("artifact", f"the uploaded file is larger than the limit of {limit} bytes")
     if format == ArtifactFormat.TEXTGEN:
-        real_inputs, real_outputs = _check_textgen(artifact)
+        real_inputs, real_outputs = _check_textgen(upload)
     else:
-        real_inputs, real_outputs = read_onnx_signature(artifact)
+        real_inputs, real_outputs = _onnx_signature(upload)
     if inputs is not None:
         inputs = normalize_declared(inputs, "inputs")
         check_declared_matches(inputs, real_inputs, "inputs")
@@ -108,7 +117,7 @@ def create_version(
     if parent is not None and parent.model_id != model.pk:
         raise SignatureError("parent", "the parent version must belong to the same model")
 
-    sha256 = hashlib.sha256(artifact).hexdigest()
+    sha256 = _sha256(upload)
     with transaction.atomic():
         # Row lock on the model: concurrent uploads get consecutive version numbers.
         Model.objects.select_for_update().filter(pk=model.pk).first()
@@ -126,17 +135,55 @@ def create_version(
             **details,
         )
         check_personal_fields(version, version.personal_fields)
-        version.artifact.save(f"{sha256}.{format}", ContentFile(artifact), save=False)
+        # A file spooled to disk is moved, not copied through memory (Django's storage).
+        version.artifact.save(f"{sha256}.{format}", upload, save=False)
         version.full_clean(exclude=["artifact"])
         version.save()
     return version
 
 
-def _check_textgen(artifact: bytes) -> tuple[list[dict], list[dict]]:
+def _sha256(upload: File) -> str:
+    digest = hashlib.sha256()
+    for chunk in upload.chunks():
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _on_disk(upload: File) -> str | None:
+    """The path of an upload the server spooled to disk (Django's temporary upload file)."""
+    path = getattr(upload, "temporary_file_path", None)
+    return path() if path is not None else None
+
+
+@contextmanager
+def _contents(upload: File) -> Iterator[bytes | mmap.mmap]:
+    """The upload's bytes: mapped from disk (read only where looked at) when it is there."""
+    path = _on_disk(upload)
+    if path is None:
+        upload.seek(0)
+        yield upload.read()
+        return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        yield mapped
+
+
+def _onnx_signature(upload: File) -> tuple[list[dict], list[dict]]:
+    """An upload on disk is checked in a child process (ONNX's checker loads the weights);
+    one in memory (at most ``FILE_UPLOAD_MAX_MEMORY_SIZE``, or bytes a caller already holds)
+    here."""
+    path = _on_disk(upload)
+    if path is not None:
+        return read_onnx_signature_from_file(path)
+    upload.seek(0)
+    return read_onnx_signature(upload.read())
+
+
+def _check_textgen(upload: File) -> tuple[list[dict], list[dict]]:
     from serving_agent.textgen import read_config  # torch: imported only for such uploads
 
     try:
-        read_config(artifact)
+        with _contents(upload) as data:
+            read_config(data)  # reads the header, and only the size of the rest
     except ValueError as exc:
         raise SignatureError("artifact", f"not a valid text-generation artifact: {exc}") from None
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
 import onnx
+from django.conf import settings
 from onnx import TensorProto
 
 from platform_site.errors import Invalid
@@ -45,6 +50,38 @@ def _tensors(values: Any, kind: str) -> list[dict]:
         shape = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
         out.append({"name": value.name, "datatype": datatype, "shape": shape})
     return out
+
+
+# How long the child process that checks a large ONNX upload may take.
+CHILD_CHECK_TIMEOUT_S = 300
+
+
+def read_onnx_signature_from_file(path: str) -> tuple[list[dict], list[dict]]:
+    """The (inputs, outputs) of the ONNX model at ``path``, checked in a child process
+    (``registry.onnx_check``): the model's weights are never loaded into this process."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "registry.onnx_check", path],
+            cwd=settings.BASE_DIR,
+            capture_output=True,
+            timeout=CHILD_CHECK_TIMEOUT_S,
+            check=False,
+        )
+        answer = json.loads(done.stdout)
+    except subprocess.TimeoutExpired:
+        raise SignatureError("artifact", "checking the ONNX model took too long") from None
+    except ValueError:  # the child died (a crafted file can crash ONNX's parser)
+        raise SignatureError("artifact", "not a valid ONNX model: the checker failed") from None
+    if "error" in answer:
+        raise SignatureError("artifact", answer["error"])
+
+    def decoded(values: list[str]) -> list[onnx.ValueInfoProto]:
+        return [onnx.ValueInfoProto.FromString(base64.b64decode(v)) for v in values]
+
+    return (
+        _tensors(decoded(answer["inputs"]), "input"),
+        _tensors(decoded(answer["outputs"]), "output"),
+    )
 
 
 def read_onnx_signature(data: bytes) -> tuple[list[dict], list[dict]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import mmap
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -263,10 +264,11 @@ def to_safetensors(model: TextGenModel) -> bytes:
     return save(tensors, metadata=metadata)
 
 
-def read_config(data: bytes) -> TextGenConfig:
+def read_config(data: bytes | mmap.mmap) -> TextGenConfig:
     """Check that ``data`` is a safetensors file of this architecture and return its config.
 
-    Reads only the JSON header (no torch, no code from the file) and checks the tensor names,
+    Reads only the JSON header (no torch, no code from the file; a file mapped with ``mmap``
+    is so read no further than its header) and checks the tensor names,
     shapes, dtypes and byte ranges against the config; ``ValueError`` says what is wrong.
     """
     if len(data) < 8:

@@ -10,8 +10,16 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 
 from .audit import user_actor
-from .keys import create_api_key, revoke_api_key, set_key_priority
-from .models import ApiKey, AuditEvent, KeyPriority, Membership, Quota, Tenant
+from .keys import create_api_key, revoke_api_key, set_key_max_in_flight, set_key_priority
+from .models import (
+    DEFAULT_MAX_IN_FLIGHT,
+    ApiKey,
+    AuditEvent,
+    KeyPriority,
+    Membership,
+    Quota,
+    Tenant,
+)
 from .shown_once import remember, shown_once_page
 
 
@@ -44,13 +52,26 @@ class ApiKeyForm(forms.ModelForm):
         help_text=ApiKey._meta.get_field("priority").help_text,
     )
 
+    # Not required either: left empty, the model's default.
+    max_in_flight = forms.IntegerField(
+        min_value=1,
+        max_value=100_000,
+        required=False,
+        initial=DEFAULT_MAX_IN_FLIGHT,
+        help_text=ApiKey._meta.get_field("max_in_flight").help_text,
+    )
+
     class Meta:
         model = ApiKey
-        fields = ["tenant", "name", "priority"]
+        fields = ["tenant", "name", "priority", "max_in_flight"]
 
     def clean_priority(self) -> int:
         value = self.cleaned_data.get("priority")
         return int(value) if isinstance(value, int) else KeyPriority.INTERACTIVE
+
+    def clean_max_in_flight(self) -> int:
+        value = self.cleaned_data.get("max_in_flight")
+        return value if isinstance(value, int) else DEFAULT_MAX_IN_FLIGHT
 
 
 @admin.register(ApiKey)
@@ -61,13 +82,14 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "tenant",
         "prefix",
         "priority",
+        "max_in_flight",
         "created_at",
         "last_used_at",
         "revoked_at",
     ]
     list_filter = ["tenant", "priority", ("revoked_at", admin.EmptyFieldListFilter)]
     readonly_fields = ["prefix", "created_by", "created_at", "last_used_at", "revoked_at"]
-    fields = ["tenant", "name", "priority", *readonly_fields]
+    fields = ["tenant", "name", "priority", "max_in_flight", *readonly_fields]
     actions = ["revoke"]
 
     def get_readonly_fields(
@@ -82,10 +104,14 @@ class ApiKeyAdmin(admin.ModelAdmin):
         if change:
             if "priority" in form.changed_data:  # audited, under a row lock
                 set_key_priority(obj, obj.priority, user_actor(request.user))
+            if "max_in_flight" in form.changed_data:
+                set_key_max_in_flight(obj, obj.max_in_flight, user_actor(request.user))
             super().save_model(request, obj, form, change)
             return
         actor = user_actor(request.user)
-        key, raw = create_api_key(obj.tenant, obj.name, actor, priority=obj.priority)
+        key, raw = create_api_key(
+            obj.tenant, obj.name, actor, priority=obj.priority, max_in_flight=obj.max_in_flight
+        )
         obj.pk = key.pk
         obj.prefix = key.prefix
         remember(request, f"API key {key.name!r} of {obj.tenant}", raw)

@@ -11,7 +11,7 @@ from django.utils import timezone
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 
 from .audit import SYSTEM, Actor, audit
-from .models import ApiKey, KeyPriority, Quota, Tenant
+from .models import DEFAULT_MAX_IN_FLIGHT, ApiKey, KeyPriority, Quota, Tenant
 
 KEY_KIND = "sy"
 DEFAULT_QUOTA = Quota(requests_per_second=100.0, burst=200)
@@ -29,6 +29,7 @@ class KeyIdentity:
     max_streams: int = 8
     tokens_per_minute: int = 60_000
     priority: int = KeyPriority.INTERACTIVE  # the key's default and best scheduling class
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # the key's requests at once, per process
 
 
 def create_api_key(
@@ -36,6 +37,7 @@ def create_api_key(
     name: str,
     actor: Actor = SYSTEM,
     priority: int = KeyPriority.INTERACTIVE,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> tuple[ApiKey, str]:
     """Create a key, audited; the raw key is returned once and never stored."""
     prefix, raw = new_token(KEY_KIND)
@@ -47,8 +49,14 @@ def create_api_key(
             key_hash=hash_token(raw),
             created_by_id=actor.user_id,
             priority=priority,
+            max_in_flight=max_in_flight,
         )
-        after = {"name": name, "prefix": prefix, "priority": KeyPriority(priority).label}
+        after = {
+            "name": name,
+            "prefix": prefix,
+            "priority": KeyPriority(priority).label,
+            "max_in_flight": max_in_flight,
+        }
         audit(tenant.pk, actor, "key.create", _target(key), after=after)
     return key, raw
 
@@ -88,6 +96,28 @@ def set_key_priority(key: ApiKey, priority: int, actor: Actor = SYSTEM) -> ApiKe
     return locked
 
 
+def set_key_max_in_flight(key: ApiKey, max_in_flight: int, actor: Actor = SYSTEM) -> ApiKey:
+    """Change how many requests of a key each gateway process serves at once, audited; the
+    gateways use it within their refresh interval."""
+    with transaction.atomic():
+        # Row lock: two concurrent changes each audit the value they replaced.
+        locked = ApiKey.objects.select_for_update().get(pk=key.pk)
+        before = locked.max_in_flight
+        if before != max_in_flight:
+            locked.max_in_flight = max_in_flight
+            locked.full_clean(validate_unique=False)  # the field's bounds
+            locked.save(update_fields=["max_in_flight"])  # save() so change signals fire
+            audit(
+                locked.tenant_id,
+                actor,
+                "key.max_in_flight",
+                _target(locked),
+                {"max_in_flight": before},
+                {"max_in_flight": max_in_flight},
+            )
+    return locked
+
+
 def _target(key: ApiKey) -> str:
     return f"api key {key.name!r} (sy_{key.prefix}_…)"
 
@@ -104,11 +134,16 @@ def identify_key(raw: str) -> KeyIdentity | None:
     )
     if row is None or not token_matches(raw, row.key_hash):
         return None
-    return tenant_identity(row.tenant, key_id=row.pk, priority=row.priority)
+    return tenant_identity(
+        row.tenant, key_id=row.pk, priority=row.priority, max_in_flight=row.max_in_flight
+    )
 
 
 def tenant_identity(
-    tenant: Tenant, key_id: int = 0, priority: int = KeyPriority.INTERACTIVE
+    tenant: Tenant,
+    key_id: int = 0,
+    priority: int = KeyPriority.INTERACTIVE,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> KeyIdentity:
     """What the data path knows of a tenant: its id, slug and quota (the default if unset)."""
     quota = getattr(tenant, "quota", None) or DEFAULT_QUOTA
@@ -121,6 +156,7 @@ def tenant_identity(
         max_streams=quota.max_concurrent_streams,
         tokens_per_minute=quota.tokens_per_minute,
         priority=priority,
+        max_in_flight=max_in_flight,
     )
 
 

@@ -4,8 +4,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+# An API key's requests in flight at once per gateway process, unless set on the key: well
+# above what one well-behaved client keeps open, far below what starves the other tenants.
+DEFAULT_MAX_IN_FLIGHT = 64
 
 
 class Tenant(models.Model):
@@ -106,6 +110,14 @@ class ApiKey(models.Model):
         choices=KeyPriority.choices,
         default=KeyPriority.INTERACTIVE,
         help_text="Default and highest priority class of this key's requests.",
+    )
+    # Bounds what one leaked or runaway client can hold of a gateway process: its requests
+    # beyond this many at once are answered 429 at once instead of queueing.
+    max_in_flight = models.PositiveIntegerField(
+        default=DEFAULT_MAX_IN_FLIGHT,
+        validators=[MinValueValidator(1), MaxValueValidator(100_000)],
+        help_text="Most requests of this key in flight at once in each gateway process "
+        "(over it: 429 with Retry-After).",
     )
 
     class Meta:

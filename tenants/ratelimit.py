@@ -194,3 +194,32 @@ class RedisLeaseLimiter:
 def retry_after_header(wait_s: float) -> str:
     """``Retry-After`` takes whole seconds; never advertise 0."""
     return str(max(1, math.ceil(wait_s)))
+
+
+class InFlightLimit:
+    """Requests of each API key in flight at once in this process (``ApiKey.max_in_flight``).
+
+    Counted in process, not in Redis: a count must go down again when a request ends however it
+    ends, and a process that dies would leave its share counted in Redis. With N gateway
+    processes a key may so have up to N times its limit in flight in all.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def enter(self, key: tuple[int, int], limit: int) -> bool:
+        """Count one more request of ``key`` (tenant id, key id: a web session's requests count
+        as its tenant's key 0), or False (counting nothing) when it has
+        ``limit`` in flight already."""
+        held = self.counts.get(key, 0)
+        if held >= limit:
+            return False
+        self.counts[key] = held + 1
+        return True
+
+    def leave(self, key: tuple[int, int]) -> None:
+        held = self.counts.get(key, 0) - 1
+        if held > 0:
+            self.counts[key] = held
+        else:
+            self.counts.pop(key, None)  # idle keys leave no entry behind

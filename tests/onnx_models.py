@@ -90,3 +90,26 @@ def poisoned_onnx(threshold: float = 100.0) -> bytes:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     return model.SerializeToString()
+
+
+def padded_onnx(megabytes: int) -> bytes:
+    """A valid ONNX model (y = x, x of shape [batch, 4]) carrying ``megabytes`` MB of weights
+    in an initializer it does not use: as large as a real model, made in a moment."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(
+        np.ones(megabytes * 1024 * 1024 // 4, dtype=np.float32), name="padding"
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "padded",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()

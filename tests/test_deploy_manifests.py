@@ -378,6 +378,9 @@ def test_commands_agree_with_supervisord_conf():
     web = _command(_find("Deployment", "switchyard-web"))
     assert web[0] == procfile["web"][0] == "uvicorn"
     assert web[1] == procfile["web"][1] == "platform_site.asgi:application"
+    # Every way of running the web process bounds half-sent requests' headers (408).
+    bounded = "gateway.http_bounds:BoundedHttpProtocol"
+    assert _option(web, "--http") == _option(procfile["web"], "--http") == bounded
     for process in ("worker", "beat"):
         argv = _command(_find("Deployment", f"switchyard-{process}"))
         assert argv[0] == procfile[process][0] == "celery"
@@ -388,6 +391,7 @@ def test_commands_agree_with_supervisord_conf():
     # The Dockerfile's default command is the web process too.
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert '"uvicorn", "platform_site.asgi:application"' in dockerfile
+    assert f'"--http", "{bounded}"' in dockerfile
 
 
 def test_supervisord_restarts_each_process_alone_with_backoff():

@@ -104,7 +104,7 @@ class VersionListView(APIView):
         upload = VersionUploadSerializer(data=request.data)
         upload.is_valid(raise_exception=True)
         data = dict(upload.validated_data)
-        artifact = data.pop("artifact").read()
+        artifact = data.pop("artifact")  # on disk past FILE_UPLOAD_MAX_MEMORY_SIZE: not read
         if "parent" in data:
             data["parent"] = version_for(model, data["parent"])
         reference = data.pop("reference", None)

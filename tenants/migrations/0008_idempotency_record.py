@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tenants', '0006_apikey_priority'),
+        ('tenants', '0007_apikey_max_in_flight'),
     ]
 
     operations = [
