@@ -10,7 +10,7 @@ import pytest
 from .conftest import make_backend
 from .db_stall_drill import run_stall_drill
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 def test_a_5_s_database_stall_loses_no_logged_prediction(tmp_path):

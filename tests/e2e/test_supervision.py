@@ -24,7 +24,7 @@ from .harness import (
 )
 from .supervision_drill import CONCURRENCY, run_drill
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 @pytest.mark.timeout(300)
