@@ -11,7 +11,7 @@ from .breaker_drill import degraded_rows, run_drill, start_platform, table
 from .conftest import make_backend
 from .harness import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 
 def test_a_failing_version_degrades_to_its_fallback_and_recovers(tmp_path):

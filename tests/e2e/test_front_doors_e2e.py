@@ -20,7 +20,7 @@ from tests.onnx_models import padded_onnx, small_onnx
 from .conftest import upload_and_promote
 from .harness import Proc, create_tenant, embedded_backend, free_port, start_server
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 1.0
 MAX_ARTIFACT_BYTES = 100 * 1024 * 1024
