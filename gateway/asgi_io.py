@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 
 from .asgi_types import Receive, Scope, Send
-from .pipeline import ApiError
+from .pipeline import ApiError, ascii_int
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -22,8 +22,12 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole body, or 413 as soon as it (or its declared length) passes ``limit`` bytes:
     a body too large is never held in memory whole."""
     declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    if declared is not None:
+        length = ascii_int(declared.strip())
+        if length is None:
+            raise ApiError(400, "Content-Length: must be a number of bytes in ASCII digits")
+        if length > limit:
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -41,7 +45,10 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 def error_body(message: str) -> bytes:
     """The data path's error shape: ``{"error": "<what is wrong>"}``."""
-    return orjson.dumps({"error": message})
+    try:
+        return orjson.dumps({"error": message})
+    except orjson.JSONEncodeError:  # it quotes a lone surrogate the caller sent: escape it
+        return orjson.dumps({"error": message.encode("utf-8", "backslashreplace").decode()})
 
 
 async def respond(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
