@@ -9,12 +9,15 @@ key). Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
+import orjson
 from channels.db import database_sync_to_async
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
@@ -27,11 +30,15 @@ from .generation import GenerateParams, Generation, StopString, start_generation
 from .pipeline import ApiError, authenticate
 from .state import get_state
 
+log = logging.getLogger(__name__)
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
 }
 # OpenAI knows "stop" and "length"; a cancelled stream has no client left to tell.
@@ -125,6 +132,9 @@ async def _serve(request: HttpRequest, chat: bool) -> HttpResponseBase:
     token = tracing.current.set(trace)  # the agent's generate frame carries it
     try:
         response = await _answer(request, chat)
+    except Exception:  # an OpenAI client reads OpenAI's error shape, never Django's HTML page
+        log.exception("unhandled error on %s", request.path)
+        response = openai_error(500, "internal server error")
     finally:
         tracing.current.reset(token)
     for header, value in trace.headers():
@@ -138,7 +148,7 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     state = get_state()
     try:
         identity = await authenticate(state, request.headers.get("Authorization"))
-        body, params = _parse(request.body, chat)
+        body, params = _parse(_body(request), chat)
         generation = await start_generation(
             state, identity, body.model, params, body.user, request.headers.get("X-Request-Id")
         )
@@ -163,10 +173,20 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     return response
 
 
+def _body(request: HttpRequest) -> bytes:
+    try:
+        return request.body
+    except RequestDataTooBig:
+        raise ApiError(413, "the body is larger than the server accepts") from None
+
+
 def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
     try:
-        data = json.loads(raw or b"null")
-    except ValueError as exc:
+        # orjson, not the stdlib: it refuses nesting past its depth limit (the stdlib's parser
+        # recurses until RecursionError), lone surrogates and NaN, none of which a prompt or a
+        # sampling parameter can use.
+        data = orjson.loads(raw or b"null")
+    except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     try:
         body: ChatBody | CompletionBody = (
