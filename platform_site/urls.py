@@ -9,7 +9,6 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from gateway import openai_api
 
-
 # Each API answers its errors in its own shape, even the ones Django raises before a view runs
 # (no such URL, a body past DATA_UPLOAD_MAX_MEMORY_SIZE, a bad Host): OpenAI clients read
 # OpenAI's shape under /v1/, the API's shape under /api/; only the pages get Django's HTML.

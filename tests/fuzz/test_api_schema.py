@@ -12,7 +12,6 @@ from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
-
 from schemathesis.checks import (
     not_a_server_error,
     response_schema_conformance,
@@ -20,7 +19,6 @@ from schemathesis.checks import (
 )
 
 from tests.factories import make_key, make_model, make_tenant
-
 
 # Loaded from the application itself at collection (the schema needs no database). The
 # prediction API is served before Django by its lean ASGI app: test_fuzz_predict.py fuzzes it
