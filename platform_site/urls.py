@@ -23,7 +23,7 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
     return page_not_found(request, exception)
 
 
-def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     status, message = 400, "bad request"
     if isinstance(exception, RequestDataTooBig):
         status, message = 413, "the body is larger than the server accepts"
