@@ -67,7 +67,10 @@ def request(
     """One request to the real ASGI application (its router, the lean apps and Django)."""
 
     async def send() -> Reply:
-        communicator = HttpCommunicator(application, method, path, body=body, headers=headers or [])
+        # A Host that ALLOWED_HOSTS takes, as a client sends it (without one Django refuses
+        # every request with a 400 before any view).
+        sent = [(b"host", b"127.0.0.1"), *(headers or [])]
+        communicator = HttpCommunicator(application, method, path, body=body, headers=sent)
         response = await communicator.get_response(timeout=10)
         got = {k.decode().lower(): v.decode("latin-1") for k, v in response["headers"]}
         return Reply(response["status"], got, response["body"])

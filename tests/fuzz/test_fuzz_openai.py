@@ -62,3 +62,5 @@ def test_openai_bodies_never_get_a_server_error_or_an_html_page(
         error = document["error"]
         assert isinstance(error["message"], str) and error["message"], document
         assert set(error) == {"message", "type", "param", "code"}, document
+        # Django's generic refusal would mean the request never reached the front door.
+        assert error["message"] != "bad request", document

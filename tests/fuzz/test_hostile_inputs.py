@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from asgiref.sync import async_to_sync
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
 
+from platform_site.routing import websocket_urlpatterns
 from tests.fuzz.conftest import Platform, bearer, request
 
 OIP = "/v2/models/clf/infer"
@@ -119,3 +123,54 @@ def test_oip_refuses_a_non_ascii_content_length(platform: Platform) -> None:
 def test_a_good_request_is_answered(platform: Platform) -> None:
     reply = request("POST", OIP, oip_body(tensor()), [bearer(platform.key), JSON])
     assert reply.status == 200, reply.body
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b'{"model": "clf", "prompt": ' + nested(5000) + b"}", "depth"),
+        (b'{"model": "clf", "prompt": "\\ud800"}', "surrogate"),
+        (b'{"model": "clf", "prompt": "x", "temperature": NaN}', "JSON"),
+        (b'{"model": "clf", "prompt": "x", "max_tokens": 1e400}', "JSON"),
+    ],
+)
+def test_openai_answers_hostile_bodies_with_an_openai_shaped_400(
+    platform: Platform, body: bytes, words: str
+) -> None:
+    reply = request("POST", "/v1/completions", body, [bearer(platform.key), JSON])
+    assert reply.status == 400 and reply.headers["content-type"] == "application/json"
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"], error
+
+
+def test_openai_unknown_routes_get_an_openai_shaped_404(platform: Platform) -> None:
+    reply = request("POST", "/v1/embeddings", b"{}", [bearer(platform.key), JSON])
+    assert reply.status == 404 and reply.json()["error"]["message"]
+
+
+def test_a_model_name_no_model_can_have_is_404_not_a_database_error(platform: Platform) -> None:
+    path = "/v2/models/cl\x00f/infer"
+    reply = request("POST", path, oip_body(tensor()), [bearer(platform.key), JSON])
+    assert reply.status == 404 and "not found" in reply.json()["error"]
+
+
+def test_the_generation_socket_answers_a_deeply_nested_frame_and_stays_open(
+    platform: Platform,
+) -> None:
+    async def scenario() -> list[dict]:
+        headers = [bearer(platform.key)]
+        socket = WebsocketCommunicator(
+            URLRouter(websocket_urlpatterns), "/ws/v1/models/clf/generate", headers=headers
+        )
+        assert (await socket.connect())[0]
+        answers = []
+        for frame in (nested(5000).decode(), '{"type": "generate", "id": "\\ud800"}', "{}"):
+            await socket.send_to(text_data=frame)
+            answers.append(await socket.receive_json_from(timeout=5))
+        await socket.disconnect()
+        return answers
+
+    nesting, surrogate, empty = async_to_sync(scenario)()
+    assert nesting["code"] == "bad_request" and "depth" in nesting["message"]
+    assert surrogate["code"] == "bad_request" and "surrogate" in surrogate["message"]
+    assert empty["code"] == "bad_request"  # and the socket was still open to answer it
