@@ -55,10 +55,16 @@ frames = (
 
 
 @fuzz(60)
-@given(sent=st.lists(frames, min_size=1, max_size=6))
+@given(
+    sent=st.lists(frames, max_size=5),
+    hostile=st.sampled_from(HOSTILE_LITERALS),
+    at=st.integers(min_value=0, max_value=5),
+)
 def test_every_frame_is_answered_and_none_closes_the_socket(
-    platform: Platform, sent: list[str]
+    platform: Platform, sent: list[str], hostile: str, at: int
 ) -> None:
+    sent = [*sent[:at], hostile, *sent[at:]]  # one frame no JSON encoder writes, every time
+
     async def scenario() -> None:
         headers = [(b"authorization", f"Bearer {platform.key}".encode())]
         socket = WebsocketCommunicator(
