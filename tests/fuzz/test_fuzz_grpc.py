@@ -105,3 +105,11 @@ def test_infer_messages_never_end_in_a_server_fault(
         except grpc.RpcError as error:
             assert error.code() not in SERVER_FAULTS, (error.code(), error.details())
             assert error.details(), error.code()
+
+
+def test_bytes_that_are_no_message_are_invalid_argument(platform: Platform, address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary(INFER)(b"\xff\xff\xff", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid ModelInferRequest" in refused.value.details()
