@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.utils import OpenApiResponse, inline_serializer
 from rest_framework import serializers
@@ -18,6 +19,24 @@ def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict
     checked = serializer_class(data=data)
     checked.is_valid(raise_exception=True)
     return dict(checked.validated_data)
+
+
+class JSONTextField(serializers.JSONField):
+    """A JSON value sent as text (a field of a multipart form), read with orjson: it refuses
+    nesting past its depth limit, where the stdlib's parser (DRF's ``binary=True``) recursed
+    until RecursionError, a 500; and lone surrogates, which nothing could write back."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(binary=True, **kwargs)
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str | bytes):
+            try:
+                # str(): a form's value arrives as DRF's JSONString, a str subclass orjson refuses
+                return orjson.loads(data if isinstance(data, bytes) else str(data))
+            except orjson.JSONDecodeError:
+                self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 # The shape of every error the API answers (``platform_site.errors.api_exception_handler``).
