@@ -9,7 +9,7 @@ from django.conf import settings
 
 from .asgi_types import Receive, Scope, Send
 from .http_bounds import BODY_TIMEOUT_MESSAGE, read_within
-from .pipeline import ApiError
+from .pipeline import ApiError, ascii_int
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -25,8 +25,12 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     a body too large is never held in memory whole; or 408 (and the connection closed) when
     it stops arriving for ``SWITCHYARD_BODY_TIMEOUT_S``."""
     declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    if declared is not None:
+        length = ascii_int(declared.strip())
+        if length is None:
+            raise ApiError(400, "Content-Length: must be a number of bytes in ASCII digits")
+        if length > limit:
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     timeout = settings.SWITCHYARD_BODY_TIMEOUT_S
@@ -47,7 +51,10 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 def error_body(message: str) -> bytes:
     """The data path's error shape: ``{"error": "<what is wrong>"}``."""
-    return orjson.dumps({"error": message})
+    try:
+        return orjson.dumps({"error": message})
+    except orjson.JSONEncodeError:  # it quotes a lone surrogate the caller sent: escape it
+        return orjson.dumps({"error": message.encode("utf-8", "backslashreplace").decode()})
 
 
 async def respond(send: Send, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:

@@ -31,6 +31,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.http.request import validate_host
@@ -108,8 +109,10 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.error(None, 400, "send JSON text frames of at most 1 MiB")
             return
         try:
-            message = json.loads(text_data)
-        except ValueError as exc:
+            # orjson: it refuses nesting past its depth limit, where the stdlib's parser
+            # recurses until RecursionError and the socket would close with 1011.
+            message = orjson.loads(text_data)
+        except orjson.JSONDecodeError as exc:
             await self.error(None, 400, f"malformed JSON: {exc}")
             return
         kind = message.get("type") if isinstance(message, dict) else None
@@ -230,8 +233,14 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             if generation is not None:
                 await generation.close()
 
-    async def error(self, stream_id: str | None, status: int, message: str) -> None:
-        frame = {"type": "error", "id": stream_id, "code": CODES.get(status, "internal")}
+    async def error(self, stream_id: object, status: int, message: str) -> None:
+        """An error frame; ``stream_id`` as the client sent it, which is echoed only if it is
+        a string (an id that is a list or an object names no generation)."""
+        frame = {
+            "type": "error",
+            "id": stream_id if isinstance(stream_id, str) else None,
+            "code": CODES.get(status, "internal"),
+        }
         await self._send_quietly(frame | {"message": message})
 
     async def send_json(self, payload: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 import orjson
 from django.conf import settings
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from . import grpc_codec, idempotency, pipeline, tracing
 from .dispatch import in_background
@@ -209,10 +209,22 @@ async def _infer(
 def _unary(
     handler: Callable[[Any, Context], Awaitable[Message]], request: type[Message]
 ) -> grpc.RpcMethodHandler:
+    """A handler that decodes its own request: bytes that are not a ``request`` message are
+    the caller's fault (INVALID_ARGUMENT), where a failing ``request_deserializer`` makes gRPC
+    itself answer INTERNAL."""
+
+    async def decoded(raw: bytes, context: Context) -> Message:
+        try:
+            message = request.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid {request.DESCRIPTOR.name}: {exc}",
+            )
+        return await handler(message, context)
+
     return grpc.unary_unary_rpc_method_handler(
-        handler,
-        request_deserializer=request.FromString,
-        response_serializer=lambda reply: reply.SerializeToString(),
+        decoded, response_serializer=lambda reply: reply.SerializeToString()
     )
 
 

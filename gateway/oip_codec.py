@@ -7,6 +7,7 @@ with ``binary_data_size`` / ``binary_data`` parameters), which tritonclient uses
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,15 @@ import orjson
 
 from serving_agent.protocol import NUMPY_TO_OIP
 
-from .pipeline import ApiError, ParsedInfer, check_complete, check_input, check_tensor
+from .pipeline import (
+    ApiError,
+    ParsedInfer,
+    ascii_int,
+    check_complete,
+    check_input,
+    check_tensor,
+    shown,
+)
 from .routes import Route
 
 
@@ -22,21 +31,28 @@ def _load_json(raw: bytes) -> object:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        # orjson refuses NaN/Infinity literals; the stdlib reads them, so the tensor check
-        # can name the field that holds them.
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        refused = exc
+    # orjson refuses NaN/Infinity literals and numbers past a double (1e400); the stdlib reads
+    # them (as NaN and inf), so the tensor check can name the field that holds them. What else
+    # orjson refused stays refused: nesting past its depth limit (the stdlib's parser would
+    # recurse until RecursionError) and lone surrogates (the stdlib takes them, but no reply
+    # or log can write them back), which writing the document again finds.
+    try:
+        doc = json.loads(raw)
+        orjson.dumps(doc)
+    except (ValueError, RecursionError, orjson.JSONEncodeError):
+        raise ApiError(400, f"request body is not valid JSON: {refused}") from None
+    return doc
 
 
 def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedInfer:
     binary = b""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        length = ascii_int(header_length.strip())
+        if length is None or length > len(body):
             raise ApiError(400, "Inference-Header-Content-Length is not a length within the body")
-        binary = body[int(header_length) :]
-        body = body[: int(header_length)]
+        binary = body[length:]
+        body = body[:length]
     doc = _load_json(body)
     if not isinstance(doc, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -77,28 +93,48 @@ def _parse_input(
     ):
         raise ApiError(400, f"{where}.shape: must be a list of non-negative integers")
     spec = check_input(route, name, item.get("datatype"), where, [s.get("name") for s in seen])
-    count = int(np.prod(shape, dtype=np.int64))
+    if len(shape) != len(spec.shape):  # before any array is shaped: numpy takes 64 dims at most
+        raise ApiError(
+            400,
+            f"{where}: shape {shown(shape)} does not match the signature "
+            f"{list(spec.shape)} of input {name!r}",
+        )
+    # Python integers: a hostile shape's product cannot wrap around to a small number.
+    count = math.prod(shape)
     params = item.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
     if size is not None:
         expected = count * spec.dtype.itemsize
-        if size != expected or offset + size > len(binary):
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or size != expected
+            or offset + size > len(binary)
+        ):
             raise ApiError(
                 400,
-                f"{where}.parameters.binary_data_size: shape {shape} needs "
-                f"{expected} bytes, got {size}",
+                f"{where}.parameters.binary_data_size: shape {shown(shape)} needs "
+                f"{expected} bytes, got {shown(size)}"
+                + ("" if offset + expected <= len(binary) else " (past the end of the body)"),
             )
-        array = np.frombuffer(binary, spec.dtype, count, offset).reshape(shape)
+        array = _shaped(np.frombuffer(binary, spec.dtype, count, offset), shape, where)
         check_tensor(spec, array, where)
         return array, size
     array = _from_json_data(item.get("data"), spec.dtype, where)
     if array.size != count:
         raise ApiError(
-            400, f"{where}.shape: {shape} holds {count} values but data has {array.size}"
+            400, f"{where}.shape: {shown(shape)} holds {count} values but data has {array.size}"
         )
-    array = array.reshape(shape)
+    array = _shaped(array, shape, where)
     check_tensor(spec, array, where)
     return array, 0
+
+
+def _shaped(array: np.ndarray, shape: list[int], where: str) -> np.ndarray:
+    try:
+        return array.reshape(shape)
+    except ValueError:  # an empty tensor whose other dimensions numpy cannot address
+        raise ApiError(400, f"{where}.shape: {shown(shape)} is too large to address") from None
 
 
 def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
@@ -108,8 +144,9 @@ def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
         if dtype.kind == "f":
             return np.asarray(data, dtype=dtype)
         array = np.asarray(data)
-    except (ValueError, TypeError) as exc:
-        raise ApiError(400, f"{where}.data: not a list of numbers ({exc})") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # OverflowError: an integer past a float (10**400) for a float tensor
+        raise ApiError(400, f"{where}.data: not a list of numbers ({shown(str(exc))})") from None
     allowed = "b" if dtype.kind == "b" else "iub"
     if array.size and array.dtype.kind not in allowed:
         raise ApiError(
@@ -135,10 +172,10 @@ def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]
     binary: set[str] = set()
     for i, item in enumerate(requested):
         name = item.get("name") if isinstance(item, dict) else None
-        if name not in route.output_names:
+        if not isinstance(name, str) or name not in route.output_names:
             raise ApiError(
                 400,
-                f"outputs[{i}].name: unknown output {name!r}; the model has "
+                f"outputs[{i}].name: unknown output {shown(name)}; the model has "
                 f"{list(route.output_names)}",
             )
         names.append(name)

@@ -9,12 +9,15 @@ key). Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
+import orjson
 from channels.db import database_sync_to_async
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
@@ -28,9 +31,12 @@ from .generation import GenerateParams, Generation, StopString, start_generation
 from .pipeline import ApiError, authenticate, claim_key
 from .state import get_state
 
+log = logging.getLogger(__name__)
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
@@ -130,6 +136,9 @@ async def _serve(request: HttpRequest, chat: bool) -> HttpResponseBase:
     token = tracing.current.set(trace)  # the agent's generate frame carries it
     try:
         response = await _answer(request, chat)
+    except Exception:  # an OpenAI client reads OpenAI's error shape, never Django's HTML page
+        log.exception("unhandled error on %s", request.path)
+        response = openai_error(500, "internal server error")
     finally:
         tracing.current.reset(token)
     for header, value in trace.headers():
@@ -144,7 +153,8 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
     claim: idempotency.Claim | None = None
     try:
         identity = await authenticate(state, request.headers.get("Authorization"))
-        body, params = _parse(request.body, chat)
+        raw = _body(request)
+        body, params = _parse(raw, chat)
         if not body.stream:  # a stream cannot be given again: its key is not used
             claim = await claim_key(
                 state,
@@ -152,7 +162,7 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
                 request.headers.get(idempotency.HEADER),
                 "POST",
                 request.path,
-                request.body,
+                raw,
             )
             if claim is not None and claim.replay is not None:
                 return _replay(claim.replay)
@@ -208,10 +218,20 @@ def _replay(stored: idempotency.Stored) -> HttpResponse:
     return response
 
 
+def _body(request: HttpRequest) -> bytes:
+    try:
+        return request.body
+    except RequestDataTooBig:
+        raise ApiError(413, "the body is larger than the server accepts") from None
+
+
 def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
     try:
-        data = json.loads(raw or b"null")
-    except ValueError as exc:
+        # orjson, not the stdlib: it refuses nesting past its depth limit (the stdlib's parser
+        # recurses until RecursionError), lone surrogates and NaN, none of which a prompt or a
+        # sampling parameter can use.
+        data = orjson.loads(raw or b"null")
+    except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     try:
         body: ChatBody | CompletionBody = (

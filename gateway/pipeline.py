@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import reprlib
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -61,6 +62,27 @@ class ParsedInfer:
     parameters: object = None  # the request's parameters (priority, timeout: see schedule())
 
 
+# How an error message quotes a value the caller sent: short, and safe at any depth (the repr
+# of a list nested 1,000 deep, which a JSON body may hold, raises RecursionError).
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 2, 60, 60
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message quotes it (a bounded repr)."""
+    return _QUOTE.repr(value)
+
+
+_ASCII_INT = re.compile(r"[0-9]{1,18}")
+
+
+def ascii_int(text: str) -> int | None:
+    """A non-negative integer written in ASCII digits (as HTTP headers and URLs write them),
+    else None. ``str.isdigit`` is no test: it accepts "²", which ``int`` refuses, and a string
+    of thousands of digits, which ``int`` refuses too (and would be no length anyway)."""
+    return int(text) if _ASCII_INT.fullmatch(text) else None
+
+
 async def authenticate(state: GatewayState, authorization: str | None) -> KeyIdentity:
     raw = bearer(authorization)
     if raw is None:
@@ -92,9 +114,10 @@ async def rate_limit(state: GatewayState, identity: KeyIdentity) -> None:
 def parse_version(version: str | None) -> int | None:
     if version is None or version == "":
         return None
-    if not version.isdigit() or int(version) < 1:
-        raise ApiError(400, f"version must be a positive integer, got {version!r}")
-    return int(version)
+    number = ascii_int(version)
+    if number is None or number < 1:
+        raise ApiError(400, f"version must be a positive integer, got {shown(version)}")
+    return number
 
 
 async def resolve(
@@ -172,8 +195,8 @@ def check_input(
             f"{where}.name: unknown input {name!r}; the model takes "
             f"{[s.name for s in route.inputs]}",
         )
-    if datatype not in OIP_TO_NUMPY:
-        raise ApiError(400, f"{where}.datatype: unsupported datatype {datatype!r}")
+    if not isinstance(datatype, str) or datatype not in OIP_TO_NUMPY:
+        raise ApiError(400, f"{where}.datatype: unsupported datatype {shown(datatype)}")
     if datatype != spec.datatype:
         raise ApiError(400, f"{where}.datatype: the model expects {spec.datatype}, got {datatype}")
     return spec
@@ -230,7 +253,7 @@ def schedule(
             raise ApiError(
                 400,
                 f"parameters.timeout: must be a positive number of microseconds, got "
-                f"{timeout_us!r}",
+                f"{shown(timeout_us)}",
             )
         budget_ms = min(budget_ms, timeout_us / 1000)
     if timeout_header is not None:
@@ -255,7 +278,7 @@ def _priority(asked: object, default: int) -> int:
     raise ApiError(
         400,
         f"parameters.priority: must be one of {', '.join(PRIORITY_CLASSES)}, or an integer "
-        f"0-4 (1 best, 0 the key's default); got {str(asked)[:40]!r}",
+        f"0-4 (1 best, 0 the key's default); got {shown(asked)}",
     )
 
 

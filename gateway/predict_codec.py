@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pipeline import ApiError, check_complete, check_tensor
+from .pipeline import ApiError, check_complete, check_tensor, shown
 from .routes import Route
 
 
@@ -37,8 +37,11 @@ def arrays_from_predict_body(
             )
         try:
             array = np.asarray(values, dtype=spec.dtype)
-        except (ValueError, TypeError) as exc:
-            raise ApiError(400, f"inputs.{name}: not {spec.datatype} values ({exc})") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # OverflowError: an integer past the dtype (10**400, or 2**70 for INT64)
+            raise ApiError(
+                400, f"inputs.{name}: not {spec.datatype} values ({shown(str(exc))})"
+            ) from None
         check_tensor(spec, array, f"inputs.{name}")
         names.append(name)
         arrays.append(array)

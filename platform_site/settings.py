@@ -309,7 +309,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "platform_site.api.ApiSchema",
     "EXCEPTION_HANDLER": "platform_site.errors.api_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }

@@ -1,20 +1,42 @@
 from django.contrib import admin
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
+from django.views.defaults import bad_request as django_bad_request
 from django.views.defaults import page_not_found
 from django.views.defaults import server_error as django_server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from gateway import openai_api
 
+# Each API answers its errors in its own shape, even the ones Django raises before a view runs
+# (no such URL, a body past DATA_UPLOAD_MAX_MEMORY_SIZE, a bad Host): OpenAI clients read
+# OpenAI's shape under /v1/, the API's shape under /api/; only the pages get Django's HTML.
+
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(("/api/", "/v1/")):
-        return JsonResponse({"error": f"no such endpoint: {request.path}"}, status=404)
+    message = f"no such endpoint: {request.path}"
+    if request.path.startswith("/v1/"):
+        return openai_api.openai_error(404, message)
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": message}, status=404)
     return page_not_found(request, exception)
 
 
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    status, message = 400, "bad request"
+    if isinstance(exception, RequestDataTooBig):
+        status, message = 413, "the body is larger than the server accepts"
+    if request.path.startswith("/v1/"):
+        return openai_api.openai_error(status, message)
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": message}, status=status)
+    return django_bad_request(request, exception)
+
+
 def server_error(request: HttpRequest) -> HttpResponse:
+    if request.path.startswith("/v1/"):
+        return openai_api.openai_error(500, "internal server error")
     if request.path.startswith("/api/"):
         return JsonResponse({"error": "internal server error"}, status=500)
     return django_server_error(request)
@@ -37,5 +59,6 @@ urlpatterns = [
     path("", include("web.urls")),
 ]
 
+handler400 = bad_request
 handler404 = not_found
 handler500 = server_error

@@ -8,7 +8,7 @@ from django.db.models import QuerySet
 
 from platform_site.errors import NotFound
 
-from .models import Model, ModelVersion
+from .models import MODEL_NAME, Model, ModelVersion
 
 
 def models_of(tenant_id: int) -> QuerySet[Model]:
@@ -16,6 +16,10 @@ def models_of(tenant_id: int) -> QuerySet[Model]:
 
 
 def model_for(tenant_id: int, name: str) -> Model:
+    # A name no model can have is not looked up: some (a NUL byte) PostgreSQL cannot even
+    # compare, and its error would read as the database failing.
+    if MODEL_NAME.fullmatch(name) is None:
+        raise NotFound(f"model {name[:120]!r} not found")
     found = models_of(tenant_id).filter(name=name).first()
     if found is None:
         raise NotFound(f"model {name!r} not found")

@@ -3,6 +3,7 @@ reference sample for drift."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.conf import settings
@@ -16,6 +17,8 @@ name_validator = RegexValidator(
     r"^[a-z0-9][a-z0-9._-]{0,99}$",
     "Use lowercase letters, digits, '.', '_' and '-', starting with a letter or digit.",
 )
+# The same names, for lookups (with fullmatch: "$" would let a trailing newline through).
+MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 
 
 class TaskKind(models.TextChoices):

@@ -7,8 +7,9 @@ One definition for both: ``gateway.api.predict_app`` validates each request with
 
 from __future__ import annotations
 
-from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
+
+from platform_site import api as platform_api
 
 
 class PredictRequest(serializers.Serializer):
@@ -32,13 +33,5 @@ class PredictResponse(serializers.Serializer):
     )
 
 
-# Built from a dict: a serializer cannot declare a field named ``fields`` (its own attribute).
-ErrorResponse = inline_serializer(
-    "ErrorResponse",
-    fields={
-        "error": serializers.CharField(help_text="What is wrong, naming the field when one is."),
-        "fields": serializers.DictField(
-            required=False, help_text="Per-field problems, when the body failed validation."
-        ),
-    },
-)
+# The API's one error shape, defined with the schema class that documents it everywhere.
+ErrorResponse = platform_api.ErrorResponse

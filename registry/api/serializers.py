@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from platform_site.api import JSONTextField
 
 from ..models import Alias, ArtifactFormat, Model, ModelVersion
 from ..reference import normalize_reference, rows_from_csv
@@ -120,8 +122,8 @@ class ReferenceField(serializers.Field):
                 rows, scores = rows_from_csv(text)
                 body = {"rows": rows} | ({"scores": scores} if scores else {})
             else:
-                body = json.loads(text)
-        except ValueError:
+                body = orjson.loads(text)  # not the stdlib: nesting past a limit is an error
+        except ValueError:  # orjson.JSONDecodeError is one
             raise serializers.ValidationError(
                 'must be JSON ({"rows": [...]} or {"columns": {...}}) or a CSV file'
             ) from None
@@ -159,17 +161,15 @@ class VersionUploadSerializer(ServingSettingsSerializer):
 
     artifact = serializers.FileField()
     format = serializers.ChoiceField(choices=ArtifactFormat.choices, default=ArtifactFormat.ONNX)
-    inputs = serializers.JSONField(binary=True, required=False)
-    outputs = serializers.JSONField(binary=True, required=False)
-    feature_names = serializers.JSONField(binary=True, required=False)
-    offline_metrics = serializers.JSONField(binary=True, required=False)
+    inputs = JSONTextField(required=False)
+    outputs = JSONTextField(required=False)
+    feature_names = JSONTextField(required=False)
+    offline_metrics = JSONTextField(required=False)
     source_commit = serializers.CharField(max_length=64, required=False, allow_blank=True)
     training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
     # DRF moves declared fields off the class; the stubs see them shadow Field.parent.
     parent = serializers.IntegerField(min_value=1, required=False)  # type: ignore[assignment]
-    personal_fields = serializers.JSONField(
-        binary=True, required=False, help_text=PERSONAL_FIELDS_HELP
-    )
+    personal_fields = JSONTextField(required=False, help_text=PERSONAL_FIELDS_HELP)
     reference = ReferenceField(
         required=False, help_text="a drift reference sample: JSON rows or columns, or CSV"
     )

@@ -42,7 +42,9 @@ class ModelListView(APIView):
         serializer = ModelSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
-            model = serializer.save(tenant_id=request.caller.tenant_id)
+            # A savepoint: the refused insert must not break a transaction around the request.
+            with transaction.atomic():
+                model = serializer.save(tenant_id=request.caller.tenant_id)
         except IntegrityError:
             raise ValidationError(
                 {"name": "this tenant already has a model with this name"}
