@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from platform_site.secret_files import write_private
 
 from .base import AgentTemplate, ClusterError, NotFound, ScaleResult
 
@@ -340,7 +341,7 @@ class LocalBackend:
             raise ClusterError(f"cannot start {replica}: {exc}") from exc
         _CHILDREN[proc.pid] = (replica, proc)
         try:
-            _write_atomic(self._pid_file(name, index), f"{proc.pid}\n")
+            write_private(self._pid_file(name, index), f"{proc.pid}\n")
         except OSError as exc:
             proc.kill()  # an untracked process is one nobody would ever stop
             proc.wait()
@@ -450,7 +451,7 @@ class LocalBackend:
     def _write_spec(self, name: str, spec: dict[str, Any]) -> None:
         directory = self._dir(name)
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / "spec.json", json.dumps(spec, indent=2, sort_keys=True))
+        write_private(directory / "spec.json", json.dumps(spec, indent=2, sort_keys=True))
 
 
 def _replica(name: str, index: int) -> str:
@@ -523,18 +524,6 @@ def _read_pid(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None  # missing, or torn by a crash: treat as no process
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers (which take no lock) see the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rotate(log: Path) -> None:
