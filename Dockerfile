@@ -1,29 +1,34 @@
-# Switchyard platform image: web (uvicorn), Celery worker and beat, migrations, serving agent.
+# Switchyard platform image: web (uvicorn), Celery worker and beat, migrations.
 # Used by deploy/ as ghcr.io/switchyard/switchyard:TAG. Build: docker build -t IMAGE .
-# The CPU torch wheel keeps the image small; GPU agents need an image with the CUDA libraries
-# onnxruntime-gpu loads (e.g. built FROM an nvidia/cuda runtime base).
-FROM python:3.11-slim
-
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/app \
-    SWITCHYARD_VAR_DIR=/app/var
-
-WORKDIR /app
-
+# Layered so a code change does not reinstall dependencies: the dependencies are installed into a
+# virtualenv from pyproject.toml alone, the code is copied last. Agents on nodes use the lighter
+# agent images (agent/Dockerfile, agent/Dockerfile.cuda; docs/agent.md).
+FROM python:3.11-slim AS deps
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 # torch first, pinned to the CPU wheel (as the Makefile does), so `torch>=2.6` is satisfied.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml /src/pyproject.toml
+# Only the [project] dependencies, read from pyproject.toml: this layer changes when they do.
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" > /src/requirements.txt \
+    && pip install -r /src/requirements.txt
 
-COPY . /app
-# Dependencies from pyproject.toml; the code runs from /app (settings.py finds templates/ and
-# static/ next to platform_site/).
-RUN pip install . \
-    && groupadd --gid 10001 switchyard \
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/app \
+    SWITCHYARD_VAR_DIR=/app/var
+WORKDIR /app
+RUN groupadd --gid 10001 switchyard \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /app --shell /usr/sbin/nologin switchyard \
     && mkdir -p /app/var \
-    && chown -R 10001:10001 /app/var
+    && chown 10001:10001 /app/var
+COPY --from=deps /opt/venv /opt/venv
+# The code runs from /app (settings.py finds templates/ and static/ next to platform_site/).
+COPY . /app
 
 USER 10001:10001
 # 8000: HTTP (UI, API, OIP v2 REST, agents); 8001: OIP v2 over gRPC (SWITCHYARD_GRPC_PORT)

@@ -175,8 +175,11 @@ START_CANARY = """
 from registry.models import Model
 from registry.services import create_version
 from rollouts.actions import start_plan
+from rollouts.models import RolloutPolicy
 from tenants.audit import Actor
 model = Model.objects.get(name="fraud-detector")
+# The rollout policy bounds a canary's weight without approval (10 % by default).
+RolloutPolicy.objects.create(tenant=model.tenant, max_weight_without_approval=50)
 v1 = model.versions.get(version=1)
 v2 = create_version(model, v1.artifact.read(), feature_names=v1.feature_names)
 start_plan(model, "canary", v2, {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5,

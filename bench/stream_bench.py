@@ -1,13 +1,15 @@
-"""Benchmark token streaming: time to first token and aggregate tokens/s at 1, 8 and 32
-concurrent streams through the platform, next to the same engine generating in process.
+"""Benchmark token streaming: time to first token (median, p90) and aggregate tokens/s at 1, 8
+and 32 concurrent streams through the platform, next to the same engine generating in process.
 
 Platform: uvicorn and a serving agent pinned to CPU 0, PostgreSQL + a Redis of its own, the demo
 text model's architecture (``platform_site/demo/storyteller.py``; briefly trained weights decode
 at the same speed as fully trained ones). Clients are websocket streams from this process, pinned to
-CPU 1. In process: the agent's own ``Engine`` on the same model, pinned to CPU 0 with one torch
-thread like the agent, fed the same requests. Every stream asks for ``--tokens`` greedy tokens
-with no stop sequence, so all streams do the same work. Run:
-``.venv/bin/python bench/stream_bench.py`` (``make bench-stream``).
+CPU 1. In process: the agent's own engine (``load_engine``) on the same artifact, pinned to CPU 0
+with one torch thread like the agent, fed the same requests. Every stream asks for ``--tokens``
+greedy tokens with no stop sequence, so all streams do the same work. The CPU time the server
+processes spent per token is read from ``/proc``. Run:
+``.venv/bin/python bench/stream_bench.py`` (``make bench-stream``); another generative artifact
+with ``--artifact PATH --format FORMAT`` (registered as the model ``bench-generator``).
 """
 
 from __future__ import annotations
@@ -36,28 +38,47 @@ from tests.e2e.harness import PY, Proc, free_port, services_backend, wait_until 
 PROMPT = "Call me Ishmael. Some years ago, never mind how long precisely, "
 
 
+BENCH_MODEL = "bench-generator"
+
+
 def prompt(i: int) -> str:
     return f"{PROMPT}{i}"
 
 
-async def platform_round(url: str, key: str, streams: int, tokens: int) -> tuple[list, float]:
-    """N concurrent streams, one socket each: (TTFT seconds per stream, aggregate tokens/s)."""
-    ws_url = url.replace("http://", "ws://") + "/ws/v1/models/storyteller/generate"
-    headers = {"Authorization": f"Bearer {key}"}
-    socks = [await websockets.connect(ws_url, additional_headers=headers) for _ in range(streams)]
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    async def one(i: int, sock) -> tuple[float, int, float]:
+
+async def platform_round(
+    url: str, key: str, model: str, streams: int, tokens: int, deflate: bool = True
+) -> tuple[list, float, int, int]:
+    """N concurrent streams, one socket each: (TTFT seconds per stream, aggregate tokens/s,
+    tokens, token messages)."""
+    ws_url = url.replace("http://", "ws://") + f"/ws/v1/models/{model}/generate"
+    headers = {"Authorization": f"Bearer {key}"}
+    # permessage-deflate is what websockets and browsers ask for by default.
+    options: dict = {} if deflate else {"compression": None}
+    socks = [
+        await websockets.connect(ws_url, additional_headers=headers, **options)
+        for _ in range(streams)
+    ]
+
+    async def one(i: int, sock) -> tuple[float, int, float, int]:
         request = {"type": "generate", "id": f"s{i}", "prompt": prompt(i)}
         request |= {"max_tokens": tokens, "temperature": 0}
         sent = time.perf_counter()
         await sock.send(json.dumps(request))
-        first = None
+        first, messages = None, 0
         while True:
             frame = json.loads(await sock.recv())
-            if frame["type"] == "token" and first is None:
-                first = time.perf_counter() - sent
+            if frame["type"] == "token":
+                messages += 1
+                if first is None:
+                    first = time.perf_counter() - sent
             if frame["type"] == "done":
-                return first, frame["usage"]["output_tokens"], time.perf_counter()
+                return first, frame["usage"]["output_tokens"], time.perf_counter(), messages
             if frame["type"] == "error":
                 raise RuntimeError(frame)
 
@@ -67,10 +88,11 @@ async def platform_round(url: str, key: str, streams: int, tokens: int) -> tuple
     finally:
         await asyncio.gather(*(s.close() for s in socks))
     ended = max(r[2] for r in results)
-    return [r[0] for r in results], sum(r[1] for r in results) / (ended - started)
+    total = sum(r[1] for r in results)
+    return [r[0] for r in results], total / (ended - started), total, sum(r[3] for r in results)
 
 
-async def in_process_round(engine, streams: int, tokens: int) -> tuple[list, float]:
+async def in_process_round(engine, streams: int, tokens: int) -> tuple[list, float, int, int]:
     """The same requests straight into the agent's engine."""
     from serving_agent.protocol import GenerateDone, GenerateRequest, TokenChunk, decode_frame
 
@@ -78,15 +100,20 @@ async def in_process_round(engine, streams: int, tokens: int) -> tuple[list, flo
     firsts: dict[int, float] = {}
     done: dict[int, asyncio.Future] = {i: loop.create_future() for i in range(streams)}
     sent: dict[int, float] = {}
+    chunks = 0
 
     async def reply(frames: list[bytes]) -> None:
+        nonlocal chunks
         now = time.perf_counter()
         for frame in frames:
             header, _ = decode_frame(frame)
-            if isinstance(header, TokenChunk) and header.id not in firsts:
-                firsts[header.id] = now - sent[header.id]
-            elif isinstance(header, GenerateDone):
-                done[header.id].set_result((header.output_tokens, now))
+            # A step's text comes as one batch of chunks (single chunks before it did).
+            for item in getattr(header, "chunks", [header]):
+                if isinstance(item, TokenChunk):
+                    chunks += 1
+                    firsts.setdefault(item.id, now - sent[item.id])
+                elif isinstance(item, GenerateDone):
+                    done[item.id].set_result((item.output_tokens, now))
 
     started = time.perf_counter()
     for i in range(streams):
@@ -95,39 +122,74 @@ async def in_process_round(engine, streams: int, tokens: int) -> tuple[list, flo
         engine.submit(request, reply)
     results = await asyncio.gather(*done.values())
     ended = max(r[1] for r in results)
-    return [firsts[i] for i in range(streams)], sum(r[0] for r in results) / (ended - started)
+    total = sum(r[0] for r in results)
+    return [firsts[i] for i in range(streams)], total / (ended - started), total, chunks
 
 
-def summarise(rounds: list[tuple[list, float]]) -> dict:
-    ttfts = [t for r in rounds for t in r[0]]
+def summarise(rounds: list[tuple[list, float, int, int]]) -> dict:
+    ttfts = sorted(t for r in rounds for t in r[0])
     return {
         "ttft_p50_ms": statistics.median(ttfts) * 1000,
+        "ttft_p90_ms": statistics.quantiles(ttfts, n=10)[-1] * 1000 if len(ttfts) > 1 else 0.0,
         "tokens_per_s": statistics.median(r[1] for r in rounds),
+        "tokens": sum(r[2] for r in rounds),
+        "tokens_per_message": sum(r[2] for r in rounds) / max(1, sum(r[3] for r in rounds)),
     }
 
 
-async def measure(run_round, levels: list[int], rounds: int, tokens: int) -> dict[int, dict]:
+async def measure(
+    run_round, levels: list[int], rounds: int, tokens: int, pids: dict[str, int] | None = None
+) -> dict[int, dict]:
+    """Each level's rounds; with ``pids`` (name: process), each process's CPU per token."""
+    pids = pids or {}
     await run_round(1, tokens)  # warm-up
     out = {}
     for n in levels:
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
         out[n] = summarise([await run_round(n, tokens) for _ in range(rounds)])
+        for name, pid in pids.items():
+            used = cpu_seconds(pid) - cpu[name]
+            out[n][f"{name}_cpu_us_per_token"] = used / out[n]["tokens"] * 1e6
         print(f"  {n} streams: {out[n]}", flush=True)
     return out
 
 
-def in_process(artifact: Path, levels: list[int], rounds: int, tokens: int) -> dict[int, dict]:
+def in_process(
+    artifact: Path, fmt: str, levels: list[int], rounds: int, tokens: int
+) -> dict[int, dict]:
     import torch
 
-    from serving_agent._generate import Engine
-    from serving_agent.protocol import GenerationLimits
-    from serving_agent.textgen import from_safetensors
+    from serving_agent._generate import load_engine
+    from serving_agent.protocol import GenerationLimits, VersionSpec
 
     os.sched_setaffinity(0, {0})  # where the agent ran
     torch.set_num_threads(1)
-    model = from_safetensors(artifact, "cpu")
     limits = GenerationLimits(max_input_tokens=128, max_output_tokens=128, max_streams=max(levels))
-    engine = Engine(model, limits, threads=1)
-    return asyncio.run(measure(lambda n, t: in_process_round(engine, n, t), levels, rounds, tokens))
+    spec = VersionSpec(
+        version_id=1,
+        model="bench",
+        version=1,
+        sha256="0" * 64,
+        artifact_url="",
+        format=fmt,
+        inputs=[],
+        outputs=[],
+        device="cpu",
+        generation=limits,
+    )
+    if fmt == "hf":
+        from serving_agent._hf import load_hf_engine
+
+        # The agent's own loader; it extracts next to the artifact, so copy it somewhere ours.
+        copy = Path(tempfile.mkdtemp()) / artifact.name
+        copy.write_bytes(artifact.read_bytes())
+        engine, _ = load_hf_engine(copy, spec, threads=1)
+    else:
+        engine, _ = load_engine(artifact, spec, threads=1)  # as the agent loads it
+    pids = {"engine": os.getpid()}  # this process: the engine's thread and its event loop
+    return asyncio.run(
+        measure(lambda n, t: in_process_round(engine, n, t), levels, rounds, tokens, pids)
+    )
 
 
 def main() -> None:
@@ -135,9 +197,26 @@ def main() -> None:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        help="a generative artifact to serve instead of the demo storyteller (an upload file)",
+    )
+    parser.add_argument("--format", default="textgen", help="the --artifact's format")
+    parser.add_argument(
+        "--gateway-cpus",
+        default="0",
+        help="the CPUs of the server (taskset -c); the agent stays on CPU 0, the clients on 1",
+    )
+    parser.add_argument(
+        "--no-deflate",
+        action="store_true",
+        help="clients do not ask for permessage-deflate (browsers and websockets do)",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "stream.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
+    model = BENCH_MODEL if args.artifact else "storyteller"
 
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-stream-bench-"))
     redis, redis_port = start_redis()
@@ -150,15 +229,17 @@ def main() -> None:
         backend.manage("bootstrap_demo")  # writes its credentials to demo.json, 0600
         creds = json.loads((backend.var_dir / "demo.json").read_text())
         key, token = creds["api_key"], creds["node_token"]
+        if args.artifact:
+            register(backend, args.artifact.resolve(), args.format)
         artifact = Path(
             backend.shell(
                 "from registry.models import ModelVersion; print(ModelVersion.objects.get("
-                "model__name='storyteller').artifact.path)"
+                f"model__name={model!r}).artifact.path)"
             ).strip()
         )
         backend.shell(
             "from registry.models import ModelVersion; ModelVersion.objects.filter("
-            f"model__name='storyteller').update(max_streams={max(levels)}); "
+            f"model__name={model!r}).update(max_streams={max(levels)}); "
             "from tenants.models import Quota; Quota.objects.update("
             f"max_concurrent_streams={max(levels)}, tokens_per_minute=10**9)"
         )
@@ -167,14 +248,15 @@ def main() -> None:
         env = {**backend.env, "LOG_LEVEL": "WARNING"}
         server = f"-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
         server += "--no-access-log --log-level warning"
-        running.append(Proc("uvicorn", ["taskset", "-c", "0", PY, *server.split()], env, tmp))
+        pinned = ["taskset", "-c", args.gateway_cpus, PY]
+        running.append(Proc("uvicorn", [*pinned, *server.split()], env, tmp))
         agent = f"-m serving_agent --platform {url} --token {token} --cache-dir {tmp / 'cache'}"
         running.append(Proc("agent", ["taskset", "-c", "0", PY, *agent.split()], env, tmp))
         headers = {"Authorization": f"Bearer {key}"}
 
         def ready() -> bool:
             try:
-                answer = httpx.get(f"{url}/v2/models/storyteller/ready", headers=headers)
+                answer = httpx.get(f"{url}/v2/models/{model}/ready", headers=headers)
                 return answer.status_code == 200
             except httpx.HTTPError:
                 return False
@@ -182,48 +264,91 @@ def main() -> None:
         wait_until(ready, 120, running[-1])
         os.sched_setaffinity(0, {1})  # the clients
         print("through the platform:", flush=True)
+        pids = {"gateway": running[0].popen.pid, "agent": running[1].popen.pid}
         through = asyncio.run(
-            measure(lambda n, t: platform_round(url, key, n, t), levels, args.rounds, args.tokens)
+            measure(
+                lambda n, t: platform_round(url, key, model, n, t, not args.no_deflate),
+                levels,
+                args.rounds,
+                args.tokens,
+                pids,
+            )
         )
         for proc in running:
             proc.stop()
         print("in process:", flush=True)
-        local = in_process(artifact, levels, args.rounds, args.tokens)
+        local = in_process(artifact, args.format, levels, args.rounds, args.tokens)
     finally:
         for proc in running:
             proc.stop()
         backend.close()
         redis.terminate()
-    from serving_agent.textgen import read_config
+    if args.format == "textgen":
+        from serving_agent.textgen import read_config
 
-    config = read_config(artifact.read_bytes())
-    shape = f"{config.n_layer} layers, {config.n_head} heads, {config.n_embd} wide"
+        config = read_config(artifact.read_bytes())
+        shape = f"the {model} model ({config.n_layer} layers, {config.n_head} heads, "
+        shape += f"{config.n_embd} wide, byte-level)"
+    else:
+        shape = f"{args.artifact.name} ({args.format})"
     table = render(through, local, args, shape)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
 
 
+def register(backend, artifact: Path, fmt: str) -> None:
+    """Upload ``artifact`` as version 1 of the demo tenant's ``bench-generator``, in production."""
+    backend.shell(
+        "from django.core.files import File; from registry.models import Model, TaskKind; "
+        "from registry.services import create_version, set_alias; "
+        "from tenants.models import Tenant; "
+        f"model = Model.objects.create(tenant=Tenant.objects.get(slug='demo'), "
+        f"name={BENCH_MODEL!r}, task=TaskKind.GENERATOR); "
+        f"upload = File(open({str(artifact)!r}, 'rb'), name={artifact.name!r}); "
+        f"version = create_version(model, upload, format={fmt!r}, "
+        "max_input_tokens=128, max_output_tokens=128); "
+        "set_alias(model, 'production', version)"
+    )
+
+
 def render(through: dict, local: dict, args, shape: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"Run {now} on {platform.node()} ({os.cpu_count()} CPUs): the demo text model "
-        f"({shape}, byte-level), {args.tokens} greedy tokens per stream, median of "
-        f"{args.rounds} rounds; uvicorn + agent on CPU 0, clients on CPU 1.",
+        f"Run {now} on {platform.node()} ({os.cpu_count()} CPUs): {shape}, {args.tokens} "
+        f"greedy tokens per stream, {args.rounds} rounds (tokens/s: their median; TTFT: over "
+        f"every stream of every round); uvicorn on CPU {args.gateway_cpus}, agent on CPU 0, "
+        "clients on CPU 1" + (", no permessage-deflate." if args.no_deflate else "."),
         "",
-        "| streams | TTFT p50 ms (platform) | TTFT p50 ms (in process) | overhead ms | "
-        "tokens/s (platform) | tokens/s (in process) | platform / 1 stream |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| streams | TTFT p50 / p90 ms (platform) | TTFT p50 / p90 ms (in process) | "
+        "tokens/s (platform) | tokens/s (in process) | platform / in process | "
+        "platform / 1 stream | CPU µs/token: gateway / agent / in process | "
+        "CPU-bound platform / in process | tokens per message (platform) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     single = through[min(through)]["tokens_per_s"]
     for n in sorted(through):
         p, i = through[n], local[n]
         lines.append(
-            f"| {n} | {p['ttft_p50_ms']:.2f} | {i['ttft_p50_ms']:.2f} | "
-            f"{p['ttft_p50_ms'] - i['ttft_p50_ms']:.2f} | {p['tokens_per_s']:,.0f} | "
-            f"{i['tokens_per_s']:,.0f} | {p['tokens_per_s'] / single:.1f}x |"
+            f"| {n} | {p['ttft_p50_ms']:.2f} / {p['ttft_p90_ms']:.2f} | "
+            f"{i['ttft_p50_ms']:.2f} / {i['ttft_p90_ms']:.2f} | {p['tokens_per_s']:,.0f} | "
+            f"{i['tokens_per_s']:,.0f} | {p['tokens_per_s'] / i['tokens_per_s']:.0%} | "
+            f"{p['tokens_per_s'] / single:.1f}x | {p['gateway_cpu_us_per_token']:.0f} / "
+            f"{p['agent_cpu_us_per_token']:.0f} / {i['engine_cpu_us_per_token']:.0f} | "
+            f"{cpu_bound(p, i):.0%} | {p['tokens_per_message']:.2f} |"
         )
+    lines += [
+        "",
+        "CPU-bound platform / in process: the in-process engine's CPU per token over the gateway's "
+        "and the agent's together, the rate the platform keeps when CPU 0 does nothing else; "
+        "it holds when other work shares the machine, where the tokens/s do not.",
+    ]
     return "\n".join(lines) + "\n"
+
+
+def cpu_bound(through: dict, local: dict) -> float:
+    spent = through["gateway_cpu_us_per_token"] + through["agent_cpu_us_per_token"]
+    return local["engine_cpu_us_per_token"] / spent if spent else 0.0
 
 
 if __name__ == "__main__":

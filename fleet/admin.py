@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils import timezone
 
+from tenants.admin_audit import AuditedAdmin
 from tenants.audit import user_actor
 from tenants.shown_once import remember, shown_once_page
 
@@ -44,7 +45,7 @@ class LiveReplicas(TypedDict):
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(AuditedAdmin):
     list_display = ["name", "tenant", "enabled", "last_seen_at"]
     readonly_fields = ["token_prefix", "facts", "last_seen_at", "created_at"]
     actions = ["rotate_token"]
@@ -53,7 +54,7 @@ class NodeAdmin(admin.ModelAdmin):
         if change:
             super().save_model(request, obj, form, change)
             return
-        node, raw = create_node(obj.name, obj.tenant)
+        node, raw = create_node(obj.name, obj.tenant, user_actor(request.user))
         obj.pk = node.pk
         remember(request, f"Token of node {node}", raw)
         remember(
@@ -72,8 +73,9 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Rotate the token of the selected node")
     def rotate_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> HttpResponse | None:
+        actor = user_actor(request.user)
         for node in queryset:
-            remember(request, f"New token of node {node}", rotate_node_token(node))
+            remember(request, f"New token of node {node}", rotate_node_token(node, actor))
         return shown_once_page(request, "Node tokens rotated", "the tokens", self._changelist())
 
     def _changelist(self) -> str:
@@ -174,7 +176,7 @@ def _mib(size: int | None) -> str:
 
 
 @admin.register(Pool)
-class PoolAdmin(admin.ModelAdmin):
+class PoolAdmin(AuditedAdmin):
     list_display = ["name", "backend", "namespace", "description", "deployment_count"]
     search_fields = ["name", "description"]
 

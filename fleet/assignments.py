@@ -15,6 +15,7 @@ from registry.services import served_versions
 from rollouts.routing import versions_in_active_plans
 from serving_agent.protocol import (
     ARTIFACT_PATH,
+    TOKENIZER_PATH,
     GenerationLimits,
     TensorSpec,
     VersionSpec,
@@ -105,10 +106,11 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         max_batch_size=version.max_batch_size,
         max_queue_delay_ms=version.max_queue_delay_ms,
         max_queue=version.max_queue,
+        max_queue_per_caller=version.max_queue_per_caller,
         # Django types a field with choices as str; these fields' choices are the protocol's
         # values, which pydantic checks again here.
         device=cast(Literal["auto", "cpu", "cuda"], version.device),
-        format=cast(Literal["onnx", "textgen"], version.format),
+        format=cast(Literal["onnx", "textgen", "hf", "torch"], version.format),
         generation=GenerationLimits(
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,
@@ -117,6 +119,9 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         if version.generates_text
         else None,
         memory_bytes=need_of(version, {}),
+        allow_missing=version.allow_missing,
+        tokenizer_url=TOKENIZER_PATH.format(version_id=version.pk) if version.tokenizer else "",
+        tokenizer_sha256=version.tokenizer_sha256,
     )
 
 

@@ -47,7 +47,8 @@ class AgentSession(models.Model):
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="sessions")
     channel_name = models.CharField(max_length=200, unique=True)
     ready_versions = models.JSONField(default=list, blank=True)
-    # Every version's last reported state: {version id: {"state", "detail", "memory_bytes"}}.
+    # Every version's last reported state:
+    # {version id: {"state", "detail", "memory_bytes", "provider"}}.
     version_states = models.JSONField(default=dict, blank=True)
     stats = models.JSONField(default=dict, blank=True)
     # The autoscaled deployment this replica says it was started for (empty: a node run by

@@ -9,11 +9,13 @@ from datetime import timedelta
 from typing import NamedTuple
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 from serving_agent.protocol import Hello, VersionStatus
+from tenants.audit import SYSTEM, Actor, audit
 from tenants.models import Tenant
 
 from .changes import bump_generation
@@ -24,19 +26,28 @@ log = logging.getLogger(__name__)
 NODE_KIND = "syn"
 
 
-def create_node(name: str, tenant: Tenant | None = None) -> tuple[Node, str]:
-    """Create a node; the raw token is returned once and never stored."""
+def create_node(name: str, tenant: Tenant | None = None, actor: Actor = SYSTEM) -> tuple[Node, str]:
+    """Create a node, audited (a node of no tenant: a platform-wide event); the raw token is
+    returned once and never stored."""
     prefix, raw = new_token(NODE_KIND)
-    node = Node.objects.create(
-        name=name, tenant=tenant, token_prefix=prefix, token_hash=hash_token(raw)
-    )
+    with transaction.atomic():
+        node = Node.objects.create(
+            name=name, tenant=tenant, token_prefix=prefix, token_hash=hash_token(raw)
+        )
+        after = {"tenant": tenant.slug if tenant else None, "token_prefix": prefix}
+        audit(node.tenant_id, actor, "node.create", f"node {name}", after=after)
     return node, raw
 
 
-def rotate_node_token(node: Node) -> str:
+def rotate_node_token(node: Node, actor: Actor = SYSTEM) -> str:
+    """A new token for the node (the old one stops working), audited; returned once."""
     prefix, raw = new_token(NODE_KIND)
-    node.token_prefix, node.token_hash = prefix, hash_token(raw)
-    node.save(update_fields=["token_prefix", "token_hash"])
+    with transaction.atomic():
+        before = {"token_prefix": node.token_prefix}
+        node.token_prefix, node.token_hash = prefix, hash_token(raw)
+        node.save(update_fields=["token_prefix", "token_hash"])
+        after = {"token_prefix": prefix}
+        audit(node.tenant_id, actor, "node.rotate_token", f"node {node.name}", before, after)
     return raw
 
 
@@ -111,6 +122,7 @@ def record_version_state(session_id: int, status: VersionStatus, ready: list[int
         "state": status.state,
         "detail": status.detail[:300],
         "memory_bytes": status.memory_bytes,
+        "provider": status.provider,  # what really runs it: CUDA asked for may run on CPU
     }
     AgentSession.objects.filter(pk=session_id).update(
         ready_versions=sorted(ready), version_states=states, last_heartbeat_at=timezone.now()

@@ -37,11 +37,13 @@ from serving_agent.protocol import (
     Hello,
     InferRequest,
     Links,
+    TokenBatch,
     TokenChunk,
     VersionSpec,
     VersionStatus,
     agent_message,
     decode_frame,
+    encode_frame,
     error_frame,
     pack_frames,
     unpack_frames,
@@ -57,6 +59,9 @@ log = logging.getLogger(__name__)
 
 WRITE_TRIES = 30  # a state write that keeps failing is retried this often, every WRITE_RETRY_S
 WRITE_RETRY_S = 1.0
+# The websocket close code an ASGI server reports for a socket it closes at its own shutdown
+# ("service restart").
+SERVER_RESTART = 1012
 
 
 class SessionWrites:
@@ -306,12 +311,26 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         # Not a local request: it may answer one forwarded from another gateway process. A
         # stream's token chunks keep the route; its last frame (done or error) ends it.
+        if isinstance(unmatched, TokenBatch):
+            await self._forward_chunks(unmatched)
+            return
         if isinstance(unmatched, TokenChunk):
             reply_channel = self.remote_replies.get(unmatched.id)
         else:
             reply_channel = self.remote_replies.pop(unmatched.id, None)
         if reply_channel is not None:
             await self._send_remote(reply_channel, data)
+
+    async def _forward_chunks(self, batch: TokenBatch) -> None:
+        """The chunks of a batch that streams of other gateway processes read: one batch per
+        process, only the chunks of its own streams."""
+        by_channel: dict[str, list[TokenChunk]] = {}
+        for chunk in batch.chunks:
+            channel = self.remote_replies.get(chunk.id)
+            if channel is not None:
+                by_channel.setdefault(channel, []).append(chunk)
+        for channel, chunks in by_channel.items():
+            await self._send_remote(channel, encode_frame(TokenBatch(chunks)))
 
     async def _send_remote(self, channel: str, frame: bytes) -> None:
         """A reply to another gateway process. With Redis down it cannot get there: that
@@ -334,7 +353,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self._send_message(pack_frames([event["frame"]]))
 
     async def disconnect(self, code: int) -> None:
-        await self._forget()
+        # 1012 (service restart) is what the ASGI server reports when it closes the socket
+        # itself at shutdown.
+        await self._forget(restarting=code == SERVER_RESTART)
         log.info("agent %s disconnected (code %s)", self.node, code)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -348,15 +369,23 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 self.state.pool.remove(link, "the serving agent's connection failed")
                 self.state.agent_consumers.discard(self)
 
-    async def _forget(self) -> None:
+    async def _forget(self, restarting: bool = False) -> None:
         """This connection is gone: out of the pool, its forwarded requests failed, its
         session closed (once, however often it is called)."""
         link, self.link = self.link, None
         if link is not None:
-            self.state.pool.remove(link, "the serving agent disconnected during the request")
+            if restarting:
+                reason = "this gateway process is shutting down; retry the request"
+            else:
+                reason = "the serving agent disconnected during the request"
+            self.state.pool.remove(link, reason, restarting=restarting)
             self.state.agent_consumers.discard(self)
             for request_id, channel in self.remote_replies.items():
-                frame = error_frame(request_id, "internal", "the serving agent disconnected")
+                # A shutdown leaves the agent serving: the other process may try elsewhere.
+                if restarting:
+                    frame = error_frame(request_id, "not_loaded", reason)
+                else:
+                    frame = error_frame(request_id, "internal", reason)
                 await self._send_remote(channel, frame)
             self.remote_replies.clear()
         session_id, self.session_id = self.session_id, None

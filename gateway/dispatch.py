@@ -15,6 +15,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +32,7 @@ from serving_agent.protocol import (
     InferError,
     InferRequest,
     InferResult,
+    TokenBatch,
     TokenChunk,
     decode_frame,
     encode_frame,
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 
 AgentReply = tuple[InferResult | InferError, list[np.ndarray]]
 # What an agent may send: answers to requests and the frames of streams.
-AgentFrame = InferResult | InferError | TokenChunk | GenerateDone
+AgentFrame = InferResult | InferError | TokenChunk | TokenBatch | GenerateDone
 # Frames of one generation buffered for its client; past this the client is reading too slowly
 # and the stream is ended rather than buffered without bound.
 STREAM_BUFFER = 256
@@ -97,42 +99,70 @@ StreamItem = TokenChunk | GenerateDone | InferError | DispatchError
 
 @dataclass(eq=False)
 class StreamInbox:
-    """One generation in flight: the agent's frames wait here until the client takes them."""
+    """One generation in flight: the agent's frames wait here until the client takes them.
+
+    The reader takes every chunk of text waiting as one (``next``), so a client that is behind
+    gets one message for what piled up rather than one per token; a reader that keeps up gets
+    each chunk as soon as it arrives. This costs per frame a deque append and, when the reader
+    waits, one future: the platform's per-token cost is what limited streaming throughput.
+    """
 
     id: int
     send: Callable[[bytes], Awaitable[None]]  # to the agent holding the stream
-    queue: asyncio.Queue[StreamItem] = field(default_factory=lambda: asyncio.Queue(STREAM_BUFFER))
+    items: deque[StreamItem] = field(default_factory=deque)
     ended: bool = False
+    _waiter: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
     def push(self, item: StreamItem) -> bool:
         """Queue a frame (or a failure) for the reader; False when the buffer is full."""
-        try:
-            self.queue.put_nowait(item)
-            return True
-        except asyncio.QueueFull:
+        if len(self.items) >= STREAM_BUFFER:
             return False
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return True
 
     def fail(self, error: DispatchError) -> None:
         """End the stream with ``error``, after what the reader has not taken yet; if the
         buffer is full the reader is far behind, and only the error matters any more."""
         if not self.push(error):
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.queue.put_nowait(error)
+            self.items.clear()
+            self.push(error)
 
     async def next(self, timeout: float) -> TokenChunk | GenerateDone:
-        """The next frame; raises ``DispatchError`` when the stream failed or went silent."""
-        try:
-            async with asyncio.timeout(timeout):
-                item = await self.queue.get()
-        except TimeoutError:
-            raise DispatchError(504, f"the serving agent sent nothing for {timeout:g} s") from None
+        """The next frame, every chunk of text waiting joined into one; raises
+        ``DispatchError`` when the stream failed or went silent for ``timeout`` seconds."""
+        if not self.items:
+            await self._wait(timeout)
+        item = self.items.popleft()
+        if isinstance(item, TokenChunk) and self.items and isinstance(self.items[0], TokenChunk):
+            texts, tokens = [item.text], item.tokens
+            while self.items and isinstance(chunk := self.items[0], TokenChunk):
+                self.items.popleft()
+                texts.append(chunk.text)
+                tokens += chunk.tokens
+            item = TokenChunk(self.id, "".join(texts), tokens)
         if isinstance(item, DispatchError):
             raise item
         if isinstance(item, InferError):
             status = status_of(item)
             raise DispatchError(status, item.message, 1 if status in RETRY_STATUSES else None)
         return item
+
+    async def _wait(self, timeout: float) -> None:
+        """Until a frame arrives. A bare timer rather than ``asyncio.timeout``, which cost a
+        few microseconds more on every wait, that is on every token of a stream that keeps up."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        except TimeoutError:
+            raise DispatchError(504, f"the serving agent sent nothing for {timeout:g} s") from None
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     async def cancel(self) -> None:
         """Ask the agent to stop decoding this stream at its next step."""
@@ -165,6 +195,9 @@ class AgentLink:
     outbox: list[bytes] = field(default_factory=list)
     # Opened by requests that could not be sent, or that this agent never answered.
     breaker: Breaker = field(default_factory=Breaker)
+    # Set by AgentPool.remove: how requests still on the link were failed (see ``ended_as``).
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_with: DispatchError | None = None
 
     async def send_frame(self, frame: bytes) -> None:
         """Queue a frame; the first sender of an event-loop turn sends the turn's frames as one
@@ -175,6 +208,21 @@ class AgentLink:
         await asyncio.sleep(0)  # let the rest of this turn's requests queue their frames
         frames, self.outbox = self.outbox, []
         await self.send_message(pack_frames(frames))
+
+
+# How long a failed send waits for its socket's end to be reported (see ``ended_as``).
+SEND_FAILURE_GRACE_S = 0.2
+
+
+async def ended_as(link: AgentLink, failure: NotSent) -> DispatchError:
+    """What a request whose send failed on ``link`` answers. The send fails the moment the
+    socket closes, a moment before the server reports why: a shutdown of this process (then
+    a retryable 503, the agent being fine) or the agent gone (502). Wait that moment."""
+    try:
+        await asyncio.wait_for(link.ended.wait(), SEND_FAILURE_GRACE_S)
+    except TimeoutError:
+        return failure
+    return link.ended_with or failure
 
 
 class AgentPool:
@@ -218,18 +266,23 @@ class AgentPool:
     def data_links(self) -> list[AgentLink]:
         return [link for link in self._links if link.session is not None]
 
-    def remove(self, link: AgentLink, reason: str) -> None:
-        """Forget a link and fail its outstanding requests at once."""
+    def remove(self, link: AgentLink, reason: str, *, restarting: bool = False) -> None:
+        """Forget a link and fail its outstanding requests at once: 502 when the agent went
+        away, 503 with a retry hint when this server is shutting down (the agent is fine and
+        a retry reaches it through another process)."""
         if link in self._links:
             self._links.remove(link)
             self._reindex()
+        status, retry_after = (503, 1) if restarting else (502, None)
+        link.ended_with = DispatchError(status, reason, retry_after)
+        link.ended.set()
         for fut in link.pending.values():
             if not fut.done():
-                fut.set_exception(DispatchError(502, reason))
+                fut.set_exception(DispatchError(status, reason, retry_after))
         link.pending.clear()
         for stream in link.streams.values():
             stream.ended = True  # nothing left to cancel
-            stream.fail(DispatchError(502, reason))
+            stream.fail(DispatchError(status, reason, retry_after))
         link.streams.clear()
 
     def _reindex(self) -> None:
@@ -300,9 +353,9 @@ class AgentPool:
             try:
                 left = deadline - loop.time() if tried else timeout
                 reply = await self._infer_on(link, request, arrays, left)
-            except NotSent:
+            except NotSent as exc:
                 if tried or not self._local_link(version_id, [link]):
-                    raise
+                    raise await ended_as(link, exc) from None
                 tried.append(link)  # the request never left: another replica may take it
                 self.dispatched["retried"] += 1
                 continue
@@ -387,6 +440,7 @@ class AgentPool:
         request.id = next(self._ids)
         frame = encode_frame(request)
         links = self._by_version.get(request.version_id)
+        link: AgentLink | None = None
         if links:
             link = self._pick(links, lambda c: len(c.pending) + len(c.streams))
             stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
@@ -400,9 +454,9 @@ class AgentPool:
             raise DispatchError(503, "no serving agent is ready for this model version", 1)
         try:
             await self._send(stream.send, frame)
-        except DispatchError:
+        except NotSent as exc:
             self.close_stream(stream)
-            raise
+            raise (await ended_as(link, exc) if link is not None else exc) from None
         return stream
 
     def close_stream(self, stream: StreamInbox) -> None:
@@ -443,11 +497,22 @@ class AgentPool:
     def deliver(self, link: AgentLink, data: bytes) -> AgentFrame | None:
         """Resolve the request (or feed the stream) a reply frame answers. Returns the frame's
         header when nothing in this process waits for it (it may answer a request forwarded
-        from another process)."""
+        from another process); of a ``TokenBatch``, a batch of the chunks nobody here reads."""
         reply = _decode_reply(data)
         if reply is None:
             return None
         header, arrays = reply
+        if isinstance(header, TokenBatch):
+            others = []
+            for chunk in header.chunks:
+                if self._feed_chunk(link.streams, chunk):
+                    continue
+                fut = link.pending.pop(chunk.id, None)
+                if fut is None:
+                    others.append(chunk)
+                else:
+                    _answer(fut, chunk, [])  # a stream's text cannot answer a request: 502
+            return TokenBatch(others) if others else None
         if header.id in link.streams:
             self._feed(link.streams, header)
             return None
@@ -463,6 +528,10 @@ class AgentPool:
         if reply is None:
             return
         header, arrays = reply
+        if isinstance(header, TokenBatch):
+            for chunk in header.chunks:
+                self._feed_chunk(self._remote_streams, chunk)
+            return
         if header.id in self._remote_streams:
             self._feed(self._remote_streams, header)
             return
@@ -470,8 +539,19 @@ class AgentPool:
         if fut is not None:
             _answer(fut, header, arrays)
 
+    @classmethod
+    def _feed_chunk(cls, streams: dict[int, StreamInbox], chunk: TokenChunk) -> bool:
+        """Feed one chunk of a batch to its stream; False when no stream here reads it."""
+        if chunk.id not in streams:
+            return False
+        cls._feed(streams, chunk)
+        return True
+
     @staticmethod
-    def _feed(streams: dict[int, StreamInbox], header: AgentFrame) -> None:
+    def _feed(
+        streams: dict[int, StreamInbox],
+        header: InferResult | InferError | TokenChunk | GenerateDone,
+    ) -> None:
         stream = streams[header.id]
         if isinstance(header, InferResult):
             # A result answers a request, never a stream: the agent broke the protocol.
@@ -484,6 +564,11 @@ class AgentPool:
             streams.pop(header.id, None)
             stream.fail(SlowClient(429, "the client read its stream too slowly"))
             in_background(stream.cancel())
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 async def _cancel(send: Callable[[bytes], Awaitable[None]], request_id: int) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving_agent.protocol import GenerateDone, GenerateRequest, TokenChunk
+from serving_agent.protocol import ChatTurn, GenerateDone, GenerateRequest, TokenChunk
 from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 from tenants.stream_budget import RENEW_S, BudgetExceeded
@@ -26,6 +26,7 @@ from .pipeline import (
     ApiError,
     Routed,
     hold_in_flight,
+    model_ref,
     release_in_flight,
     resolve,
     route_request,
@@ -44,8 +45,20 @@ class GenerateParams(BaseModel):
     max_tokens: int = Field(default=64, ge=1, le=1_000_000)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)  # 0: no cut
     stop: list[StopString] = Field(default_factory=list, max_length=4)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat request's messages. ``GenerateParams.prompt`` holds them in the platform's plain
+    format (with ``stop``, where the model would start the user's next turn) for versions
+    without a tokenizer of their own; an ``hf`` version's agent renders them with the model's
+    chat template instead."""
+
+    messages: list[ChatTurn]
+    stop: str
 
 
 def count_tokens(text: str) -> int:
@@ -90,6 +103,7 @@ class Generation:
         started: float,
         prompt_tokens: int,
         slot: str,
+        charged: int | None = None,
     ) -> None:
         self.state = state
         self.identity = identity
@@ -99,8 +113,14 @@ class Generation:
         self.slot = slot  # the tenant's stream slot, renewed while the stream runs
         self._renewed = time.monotonic()
         self.usage = TokenUsage(input_tokens=prompt_tokens)
+        # What admission charged the tenant's budget for the prompt; the agent's real count
+        # is charged on top at the end where it was not known then (hf versions).
+        self.charged = prompt_tokens if charged is None else charged
         self.finish_reason: str | None = None
         self._closed = False
+        # Counted here per token, folded into the histogram when the stream closes.
+        self._itl = metrics.LocalHistogram(metrics.ITL_BUCKETS_S)
+        self._last_chunk = 0.0  # perf_counter() when the previous chunk arrived
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         timeout = self.state.infer_timeout
@@ -113,7 +133,8 @@ class Generation:
             except DispatchError as exc:
                 self._record(ok=exc.status < 500)
                 raise ApiError(exc.status, exc.message, _retry(exc)) from None
-            elapsed_ms = (time.perf_counter() - self.started) * 1000
+            now = time.perf_counter()
+            elapsed_ms = (now - self.started) * 1000
             if isinstance(frame, GenerateDone):
                 self.finish_reason = frame.finish_reason
                 self.usage.input_tokens = frame.input_tokens
@@ -124,6 +145,11 @@ class Generation:
                 return
             if self.usage.ttft_ms is None:
                 self.usage.ttft_ms = elapsed_ms
+            elif frame.tokens:
+                # A chunk of several tokens (merged while the reader was busy): its wait split
+                # evenly among them.
+                self._itl.observe((now - self._last_chunk) / frame.tokens, frame.tokens)
+            self._last_chunk = now
             self.usage.output_tokens += frame.tokens
             if time.monotonic() - self._renewed > RENEW_S:
                 self._renewed = time.monotonic()
@@ -134,16 +160,24 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        route = self.routed.route
+        labels = (self.identity.tenant_slug, route.model_name, str(route.version))
+        self._itl.fold_into(metrics.ITL.labels(*labels))
         if self.finish_reason is None:
             await self.stream.cancel()
         self.state.pool.close_stream(self.stream)
         release_in_flight(self.state, self.identity)
-        await self.state.streams.finish(self.identity, self.slot, self.usage.output_tokens)
+        uncharged = max(0, self.usage.input_tokens - self.charged)
+        await self.state.streams.finish(
+            self.identity, self.slot, self.usage.output_tokens + uncharged
+        )
 
     def _record(self, ok: bool) -> None:
         # Guardrails compare arms on time to first token: what a streaming client waits for.
         waited = self.usage.ttft_ms if self.usage.ttft_ms is not None else 0.0
-        self.state.traffic.record(self.routed.route.version_id, waited / 1000, ok)
+        self.state.traffic.record(
+            self.routed.route.version_id, waited / 1000, ok, self.routed.counted
+        )
 
     def _observe(self) -> None:
         route = self.routed.route
@@ -167,13 +201,14 @@ async def start_generation(
     routing_key: str | None = None,
     request_id: str | None = None,
     on_loading: Progress | None = None,
+    chat: Chat | None = None,
 ) -> Generation:
     """Resolve the model (through its rollout plan), check every limit, start the stream. The
     stream counts against its key's in-flight limit until ``Generation.close``."""
     hold_in_flight(state, identity)
     try:
         return await _start(
-            state, identity, model_name, params, routing_key, request_id, on_loading
+            state, identity, model_name, params, routing_key, request_id, on_loading, chat
         )
     except BaseException:
         release_in_flight(state, identity)
@@ -188,28 +223,31 @@ async def _start(
     routing_key: str | None,
     request_id: str | None,
     on_loading: Progress | None,
+    chat: Chat | None = None,
 ) -> Generation:
     started = time.perf_counter()
-    route = await resolve(state, identity, model_name, None)
-    routed = await route_request(
-        state, identity, route, False, lambda _header: routing_key, request_id
-    )
+    # ``model_name`` may name an alias or a version: ``name@staging``, ``name@3``.
+    name, version = model_ref(model_name)
+    route = await resolve(state, identity, name, version)
+    routed = await route_request(state, identity, route, lambda _header: routing_key, request_id)
     route = routed.route
     if not route.generates_text:
-        raise ApiError(
-            400, f"model {model_name!r} does not generate text: use /v2/models/{model_name}/infer"
-        )
-    prompt_tokens = count_tokens(params.prompt)
+        raise ApiError(400, f"model {name!r} does not generate text: use /v2/models/{name}/infer")
+    # An hf version's agent has the real tokenizer: it counts the prompt, refuses one past
+    # max_input_tokens, renders a chat with the model's template and reports the count, which
+    # the tenant's budget is charged at the end. The byte-level model's tokens are bytes.
+    own_tokenizer = route.format == "hf"
+    prompt_tokens = 0 if own_tokenizer else count_tokens(params.prompt)
     if prompt_tokens > route.max_input_tokens:
         raise ApiError(
             400,
-            f"prompt: {prompt_tokens} tokens; version {route.version} of {model_name!r} takes "
+            f"prompt: {prompt_tokens} tokens; version {route.version} of {name!r} takes "
             f"at most {route.max_input_tokens}",
         )
     if params.max_tokens > route.max_output_tokens:
         raise ApiError(
             400,
-            f"max_tokens: {params.max_tokens}; version {route.version} of {model_name!r} "
+            f"max_tokens: {params.max_tokens}; version {route.version} of {name!r} "
             f"generates at most {route.max_output_tokens}",
         )
     try:
@@ -222,14 +260,21 @@ async def _start(
         slot = await state.streams.admit(identity, prompt_tokens)
     except BudgetExceeded as exc:
         raise ApiError(429, str(exc), [("Retry-After", retry_after_header(exc.wait_s))]) from None
+    stop, messages = params.stop, []
+    if chat is not None and own_tokenizer:
+        messages = chat.messages
+    elif chat is not None:
+        stop = [*stop, chat.stop][:4]
     request = GenerateRequest(
         id=0,  # numbered by the pool
         version_id=route.version_id,
         prompt=params.prompt,
+        messages=messages,
         max_new_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
-        stop=params.stop,
+        top_k=params.top_k,
+        stop=stop,
         seed=params.seed,
         trace=(tracing.current.get() or tracing.start_trace(None, None)).traceparent,
     )

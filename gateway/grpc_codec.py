@@ -14,8 +14,9 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 
-from serving_agent.protocol import NUMPY_TO_OIP
+from serving_agent.protocol import NUMPY_TO_OIP, wire_array
 
+from . import bytes_tensors
 from .pipeline import ApiError, ParsedInfer, check_complete, check_input, check_tensor
 from .proto import grpc_predict_v2_pb2 as pb
 from .routes import InputSpec, Route
@@ -34,6 +35,7 @@ CONTENTS_FIELD = {
     "INT64": "int64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 
 # The pipeline answers in HTTP statuses (ApiError, DispatchError); this is their gRPC code, per
@@ -112,6 +114,11 @@ def parse_infer(request: pb.ModelInferRequest, route: Route) -> ParsedInfer:
 def _from_raw(
     buffer: bytes, spec: InputSpec, shape: list[int], count: int, where: str
 ) -> np.ndarray:
+    if spec.datatype == "BYTES":  # each element behind its 4-byte little-endian length
+        try:
+            return bytes_tensors.from_buffer(buffer, count)
+        except bytes_tensors.BytesError as exc:
+            raise ApiError(400, f"{where}: {exc}") from None
     expected = count * spec.dtype.itemsize
     if len(buffer) != expected:
         raise ApiError(
@@ -139,6 +146,10 @@ def _from_contents(
             400,
             f"{where}.contents: the shape holds {count} values but {field} has {len(values)}{hint}",
         )
+    if spec.datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array
     if spec.dtype.kind in "iu":
         wide = np.array(values, np.uint64 if spec.dtype.kind == "u" else np.int64)
         info = np.iinfo(spec.dtype)
@@ -175,6 +186,10 @@ def request_parameters(parameters: Mapping[str, pb.InferParameter]) -> dict[str,
     return values
 
 
+def _datatype(array: np.ndarray) -> str:
+    return "BYTES" if array.dtype.kind in "OUS" else NUMPY_TO_OIP[array.dtype]
+
+
 def render_infer(
     route: Route,
     request_id: str | None,
@@ -187,12 +202,16 @@ def render_infer(
         model_name=route.model_name, model_version=str(route.version), id=request_id or ""
     )
     # The protocol has raw outputs for all tensors or none; FP16 has no typed field.
-    raw = raw or any(NUMPY_TO_OIP[a.dtype] not in CONTENTS_FIELD for _, a in outputs)
+    raw = raw or any(_datatype(a) not in CONTENTS_FIELD for _, a in outputs)
     for name, array in outputs:
-        datatype = NUMPY_TO_OIP[array.dtype]
+        datatype = _datatype(array)
         tensor = reply.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        if raw:
+        if raw and datatype == "BYTES":
+            reply.raw_output_contents.append(bytes_tensors.to_buffer(array))
+        elif raw:
             reply.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+        elif datatype == "BYTES":
+            tensor.contents.bytes_contents.extend(wire_array(array).ravel().tolist())
         else:
             getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(array.ravel().tolist())
     if arm is not None:  # a rollout plan chose the version: say which arm answered

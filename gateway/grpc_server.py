@@ -181,7 +181,6 @@ async def _infer(
             state,
             identity,
             route,
-            version is not None,
             lambda name: metadata.get(name.lower()),
             parsed,
             observed,

@@ -145,7 +145,6 @@ async def _infer(
             state,
             identity,
             route,
-            version is not None,
             lambda h: _header(scope, h.encode()),
             parsed,
             observed,

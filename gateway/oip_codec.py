@@ -15,6 +15,7 @@ import orjson
 
 from serving_agent.protocol import NUMPY_TO_OIP
 
+from . import bytes_tensors
 from .pipeline import (
     ApiError,
     ParsedInfer,
@@ -103,6 +104,26 @@ def _parse_input(
     count = math.prod(shape)
     params = item.get("parameters") or {}
     size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None and spec.datatype == "BYTES":
+        # Elements of any length: the size is only bounded by the body; what it holds must be
+        # exactly the shape's count of length-prefixed elements.
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or not 0 <= size <= len(binary) - offset
+        ):
+            raise ApiError(
+                400,
+                f"{where}.parameters.binary_data_size: {shown(size)} is not a byte count "
+                "within the body",
+            )
+        try:
+            array = bytes_tensors.from_buffer(memoryview(binary)[offset : offset + size], count)
+        except bytes_tensors.BytesError as exc:
+            raise ApiError(400, f"{where}: {exc}") from None
+        array = _shaped(array, shape, where)
+        check_tensor(spec, array, where)
+        return array, size
     if size is not None:
         expected = count * spec.dtype.itemsize
         if (
@@ -120,7 +141,13 @@ def _parse_input(
         array = _shaped(np.frombuffer(binary, spec.dtype, count, offset), shape, where)
         check_tensor(spec, array, where)
         return array, size
-    array = _from_json_data(item.get("data"), spec.dtype, where)
+    if spec.datatype == "BYTES":
+        try:
+            array = bytes_tensors.from_json(item.get("data"))
+        except bytes_tensors.BytesError as exc:
+            raise ApiError(400, f"{where}.data: {exc}") from None
+    else:
+        array = _from_json_data(item.get("data"), spec.dtype, where)
     if array.size != count:
         raise ApiError(
             400, f"{where}.shape: {shown(shape)} holds {count} values but data has {array.size}"
@@ -200,16 +227,25 @@ def render_infer(
     """The response body and its extra headers (binary outputs follow the JSON header)."""
     tensors = []
     blobs = []
+    # A classifier's probabilities say which class each column is (read from the artifact).
+    parameters_of = {o["name"]: o["parameters"] for o in route.outputs if "parameters" in o}
     for name, array in outputs:
         tensor: dict = {
             "name": name,
-            "datatype": NUMPY_TO_OIP[array.dtype],
+            "datatype": "BYTES" if array.dtype.kind in "OUS" else NUMPY_TO_OIP[array.dtype],
             "shape": list(array.shape),
         }
+        if name in parameters_of:
+            tensor["parameters"] = dict(parameters_of[name])
         if name in binary:
-            blob = np.ascontiguousarray(array).tobytes()
-            tensor["parameters"] = {"binary_data_size": len(blob)}
+            if tensor["datatype"] == "BYTES":
+                blob = bytes_tensors.to_buffer(array)
+            else:
+                blob = np.ascontiguousarray(array).tobytes()
+            tensor["parameters"] = {**tensor.get("parameters", {}), "binary_data_size": len(blob)}
             blobs.append(blob)
+        elif tensor["datatype"] == "BYTES":
+            tensor["data"] = bytes_tensors.to_json(array)
         else:
             tensor["data"] = np.ascontiguousarray(array).ravel()
         tensors.append(tensor)

@@ -2,8 +2,11 @@
 (``stream: true`` as server-sent events, else one JSON answer) and ``GET /v1/models``, in
 OpenAI's request and response shapes, so OpenAI client libraries work with only a base URL
 (``http://HOST/v1``) and a Switchyard API key. The ``model`` is a model name of the key's
-tenant; requests go through its ``production`` alias and rollout plan (``user`` is the routing
-key). Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+tenant; requests go through its ``production`` alias and that alias's rollout plan (``user`` is
+the routing key). ``name@alias`` names another alias (``fraud@staging``, through its own plan)
+and ``name@3`` a version; ``@`` cannot appear in a model name. ``GET /v1/models`` lists each
+model and each of its other aliases (``name@alias``). Errors use OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from registry.access import models_of
-from serving_agent.protocol import TokenChunk
+from registry.access import aliases_of, models_of
+from serving_agent.protocol import ChatTurn, TokenChunk
 
 from . import idempotency, tracing
-from .generation import GenerateParams, Generation, StopString, start_generation
+from .generation import Chat, GenerateParams, Generation, StopString, start_generation
 from .pipeline import ApiError, authenticate, claim_key
+from .routes import DEFAULT_ALIAS
 from .state import get_state
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,8 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Not OpenAI's, but vLLM's and others' (the SDK sends it through ``extra_body``).
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
     stop: StopString | list[StopString] | None = None
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
@@ -118,9 +124,17 @@ async def models(request: HttpRequest) -> HttpResponse:
 
     def listing() -> list[dict[str, Any]]:
         rows = models_of(identity.tenant_id).order_by("name").values_list("name", "created_at")
+        aliases = (
+            aliases_of(identity.tenant_id)
+            .exclude(name=DEFAULT_ALIAS)
+            .order_by("model__name", "name")
+            .values_list("model__name", "name", "model__created_at")
+        )
+        ids = [(name, created) for name, created in rows]
+        ids += [(f"{model}@{alias}", created) for model, alias, created in aliases]
         return [
-            {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": ""}
-            for name, created in rows
+            {"id": ref, "object": "model", "created": int(created.timestamp()), "owned_by": ""}
+            for ref, created in sorted(ids)
         ]
 
     return JsonResponse({"object": "list", "data": await database_sync_to_async(listing)()})
@@ -166,8 +180,19 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
             )
             if claim is not None and claim.replay is not None:
                 return _replay(claim.replay)
+        messages = (
+            Chat([ChatTurn(m.role, m.content) for m in body.messages], CHAT_STOP)
+            if isinstance(body, ChatBody)
+            else None
+        )
         generation = await start_generation(
-            state, identity, body.model, params, body.user, request.headers.get("X-Request-Id")
+            state,
+            identity,
+            body.model,
+            params,
+            body.user,
+            request.headers.get("X-Request-Id"),
+            chat=messages,
         )
     except ApiError as exc:
         if claim is not None:
@@ -241,7 +266,6 @@ def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
         if isinstance(body, ChatBody):
             prompt = chat_prompt(body.messages)
             max_tokens = body.max_completion_tokens or body.max_tokens or 128
-            stop = [*stop, CHAT_STOP][:4]
         else:
             prompt, max_tokens = body.prompt, body.max_tokens or 16  # OpenAI's default
         params = GenerateParams(
@@ -249,6 +273,7 @@ def _parse(raw: bytes, chat: bool) -> tuple[_Body, GenerateParams]:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
             stop=stop,
             seed=body.seed,
         )

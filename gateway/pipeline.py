@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from monitoring.traffic import NO_PLAN, PlanArmKey
 from platform_site.errors import Conflict, Invalid, Unprocessable
 from platform_site.tokens import bearer
+from registry.models import ALIAS_NAME
 from serving_agent.protocol import (
     INTERACTIVE,
     OIP_TO_NUMPY,
@@ -28,16 +30,19 @@ from serving_agent.protocol import (
     InferResult,
 )
 from tenants.keys import KeyIdentity
+from tenants.models import Scope
 from tenants.ratelimit import retry_after_header
 
-from . import idempotency
+from . import bytes_tensors, idempotency
 from .breakers import Breaker
 from .dispatch import RETRY_STATUSES, DispatchError, status_of
 from .metrics import Observed
-from .routes import InputSpec, Route, RouteMissing
+from .routes import DEFAULT_ALIAS, InputSpec, Route, RouteMissing
 from .state import GatewayState
 
 log = logging.getLogger(__name__)
+
+PREDICT = Scope.PREDICT.value  # every front door serves inference: the scope each call needs
 
 # Work that runs once the reply is sent (shadow copies).
 After = list[Coroutine[Any, Any, None]]
@@ -97,6 +102,11 @@ async def authenticate(state: GatewayState, authorization: str | None) -> KeyIde
         raise api_error(exc) from None
     if identity is None:
         raise ApiError(401, "invalid or revoked API key", [("WWW-Authenticate", "Bearer")])
+    # Both from the cached identity: no database query on a warm request.
+    if identity.expired():
+        raise ApiError(401, "the API key has expired", [("WWW-Authenticate", "Bearer")])
+    if PREDICT not in identity.scopes:
+        raise ApiError(403, f"this API key lacks the '{PREDICT}' scope")
     return identity
 
 
@@ -111,13 +121,32 @@ async def rate_limit(state: GatewayState, identity: KeyIdentity) -> None:
         )
 
 
-def parse_version(version: str | None) -> int | None:
+def parse_version(version: str | None) -> int | str:
+    """What a request's version segment names: a version number (a positive integer), else an
+    alias name (validated as the registry validates alias names, which are never only
+    digits); none at all names the ``production`` alias."""
     if version is None or version == "":
-        return None
+        return DEFAULT_ALIAS
     number = ascii_int(version)
-    if number is None or number < 1:
-        raise ApiError(400, f"version must be a positive integer, got {shown(version)}")
-    return number
+    if number is not None:
+        if number < 1:
+            raise ApiError(400, f"version must be a positive integer, got {shown(version)}")
+        return number
+    if ALIAS_NAME.fullmatch(version) is None:
+        raise ApiError(
+            400,
+            f"version must be a positive integer or an alias name (lowercase letters, digits, "
+            f"'.', '_', '-', at most 50), got {shown(version)}",
+        )
+    return version
+
+
+def model_ref(ref: str) -> tuple[str, str | None]:
+    """``name@alias`` (or ``name@3``) as the model name and version segment, for the doors
+    that take one string (OpenAI's ``model``, the generation websocket's path). ``@`` cannot
+    appear in a model name (``registry.models.name_validator``)."""
+    name, at, version = ref.partition("@")
+    return name, (version if at else None)
 
 
 async def resolve(
@@ -299,7 +328,19 @@ def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
             f"{list(spec.shape)} of input {spec.name!r}",
         )
     if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise ApiError(400, f"{where}: contains NaN or infinity")
+        if not spec.allow_missing:
+            raise ApiError(
+                400,
+                f"{where}: contains NaN or infinity (this version does not allow missing "
+                "values: upload it with allow_missing=true to take NaN as one)",
+            )
+        if np.isinf(array).any():
+            raise ApiError(400, f"{where}: contains infinity (only NaN marks a missing value)")
+    if spec.datatype == "BYTES":
+        try:
+            bytes_tensors.check(array, spec.text)
+        except bytes_tensors.BytesError as exc:
+            raise ApiError(400, f"{where}: {exc}") from None
 
 
 def check_complete(route: Route, names: list[str]) -> None:
@@ -328,13 +369,16 @@ async def run_inference(
     *,
     identity: KeyIdentity | None = None,
     sched: Schedule | None = None,
+    counted: PlanArmKey | None = NO_PLAN,
 ) -> list[tuple[str, np.ndarray]]:
     """Dispatch to an agent and return (name, array) per output, in the agent's order.
 
     The caller (``identity``'s tenant and key) and ``sched`` (see ``schedule``; the key's
     class and the server's timeout without one) go on the frame: the agent queues the request
     by class, shares the version fairly between callers, and drops it past its budget.
-    Every outcome is counted per version (for guardrails): a 5xx is an error, a 4xx is not.
+    Every outcome is counted per version and ``counted`` (the plan and arm that routed it) for
+    guardrails and SLOs: a 5xx is an error, a 4xx is not. ``counted=None`` counts nothing
+    (shadow copies: they are no user's traffic and have their own ``ShadowSample`` rows).
     """
     if sched is None:
         sched = default_schedule(state, identity)
@@ -369,11 +413,15 @@ async def run_inference(
     except DispatchError as exc:
         if observed is not None:
             observed.mark("dispatch")
-        state.traffic.record(route.version_id, time.perf_counter() - started, exc.status < 500)
+        if counted is not None:
+            state.traffic.record(
+                route.version_id, time.perf_counter() - started, exc.status < 500, counted
+            )
         _version_outcome(state, route, exc.status, sched)
         raise api_error(exc) from None
     status = 200 if isinstance(reply, InferResult) else status_of(reply)
-    state.traffic.record(route.version_id, time.perf_counter() - started, status < 500)
+    if counted is not None:
+        state.traffic.record(route.version_id, time.perf_counter() - started, status < 500, counted)
     _version_outcome(state, route, status, sched)
     if observed is not None:
         observed.mark("dispatch")
@@ -422,21 +470,26 @@ class Routed:
     # Set when the fallback ladder answered: "fallback" (another version) or "default".
     degraded: str | None = None
 
+    @property
+    def counted(self) -> PlanArmKey:
+        """Whom the version's traffic counters credit: the plan and arm that routed it."""
+        return NO_PLAN if self.plan_id is None else (self.plan_id, self.arm or "")
+
 
 async def route_request(
     state: GatewayState,
     identity: KeyIdentity,
     route: Route,
-    explicit_version: bool,
     header: Callable[[str], str | None],
     request_id: str | None,
 ) -> Routed:
-    """Apply the model's active rollout plan, if any: a sticky arm from the routing key (the
-    plan's header, else the request id, else random) and the sampled shadow copy."""
-    if explicit_version:
+    """Apply the active rollout plan of the alias the request named, if any: a sticky arm from
+    the routing key (the plan's header, else the request id, else random) and the sampled
+    shadow copy. A request that named a version number is answered by that version."""
+    if route.alias is None:
         return Routed(route)
     try:
-        split = await state.split(identity.tenant_id, route.model_name)
+        split = await state.split(identity.tenant_id, route.model_name, route.alias)
     except DispatchError as exc:
         raise api_error(exc) from None
     if split is None:
@@ -487,7 +540,6 @@ async def predict(
     state: GatewayState,
     identity: KeyIdentity,
     route: Route,
-    explicit_version: bool,
     header: Callable[[str], str | None],
     parsed: ParsedInfer,
     observed: Observed,
@@ -499,23 +551,20 @@ async def predict(
     ``after``, to run once the reply is sent. Every tensor front door (OIP REST and gRPC, the
     prediction API) calls it."""
     with in_flight(state, identity):
-        return await _predict(
-            state, identity, route, explicit_version, header, parsed, observed, after, sched
-        )
+        return await _predict(state, identity, route, header, parsed, observed, after, sched)
 
 
 async def _predict(
     state: GatewayState,
     identity: KeyIdentity,
     route: Route,
-    explicit_version: bool,
     header: Callable[[str], str | None],
     parsed: ParsedInfer,
     observed: Observed,
     after: After,
     sched: Schedule,
 ) -> tuple[Routed, list[tuple[str, np.ndarray]]]:
-    routed = await route_request(state, identity, route, explicit_version, header, parsed.id)
+    routed = await route_request(state, identity, route, header, parsed.id)
     observed.arm = routed.arm
     observed.mark("routing")
     if routed.route.degrades:
@@ -529,6 +578,7 @@ async def _predict(
         observed,
         identity=identity,
         sched=sched,
+        counted=routed.counted,
     )
     if routed.shadow_version_id is not None:
         after.append(shadow_copy(state, identity, routed, parsed.names, parsed.arrays, answer))
@@ -566,6 +616,7 @@ async def _down_the_ladder(
             observed,
             identity=identity,
             sched=first,
+            counted=routed.counted,
         )
     except ApiError as exc:
         if exc.status not in DEGRADABLE:
@@ -652,7 +703,7 @@ def _degraded(
     failure: ApiError,
 ) -> Routed:
     """The routing of a degraded answer; the failed version's request counts as degraded."""
-    state.traffic.degrade(routed.route.version_id)
+    state.traffic.degrade(routed.route.version_id, routed.counted)
     state.metrics.degraded(observed.tenant or "", routed.route, step)
     log.info(
         "model %s v%d failed (%d: %s); answered by the %s",
@@ -683,7 +734,9 @@ async def shadow_copy(
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         sched = Schedule(SHADOW, state.infer_timeout * 1000)
-        result = await run_inference(state, route, names, arrays, identity=identity, sched=sched)
+        result = await run_inference(
+            state, route, names, arrays, identity=identity, sched=sched, counted=None
+        )
     except (ApiError, RouteMissing, DispatchError) as exc:
         log.info("shadow copy to version %s failed: %s", routed.shadow_version_id, exc)
         answered, agreed, failed = 0, 0, 1
@@ -701,6 +754,8 @@ def _agree(baseline: np.ndarray, shadow: np.ndarray) -> bool:
     """Same class for 2-D scores (classifiers), else numerically close."""
     if baseline.shape != shadow.shape:
         return False
+    if baseline.dtype.kind == "O" or shadow.dtype.kind == "O":  # BYTES (labels): equal
+        return bool((baseline == shadow).all())
     if baseline.ndim == 2 and baseline.shape[1] > 1:
         return bool((baseline.argmax(1) == shadow.argmax(1)).all())
     return bool(np.allclose(baseline, shadow, rtol=1e-3, atol=1e-5))

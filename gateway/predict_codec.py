@@ -35,6 +35,12 @@ def arrays_from_predict_body(
                 400,
                 f"inputs.{name}: unknown input; the model takes {[s.name for s in route.inputs]}",
             )
+        if spec.datatype == "BYTES":
+            array = _text_array(values, f"inputs.{name}")
+            check_tensor(spec, array, f"inputs.{name}")
+            names.append(name)
+            arrays.append(array)
+            continue
         try:
             array = np.asarray(values, dtype=spec.dtype)
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -47,6 +53,20 @@ def arrays_from_predict_body(
         arrays.append(array)
     check_complete(route, names)
     return names, arrays, outputs
+
+
+def _text_array(values: object, where: str) -> np.ndarray:
+    """Strings (nested lists for more dimensions) as a BYTES tensor of their UTF-8 bytes."""
+    try:
+        array = np.asarray(values, dtype=object)
+    except (ValueError, RecursionError):  # ragged nesting
+        raise ApiError(400, f"{where}: not BYTES values (lists of strings)") from None
+    flat = array.reshape(-1)
+    for i, value in enumerate(flat.tolist()):
+        if not isinstance(value, str):
+            raise ApiError(400, f"{where}: BYTES values must be strings (got {shown(value)})")
+        flat[i] = value.encode()
+    return array
 
 
 def _columns_from_instances(instances: object, route: Route) -> dict[str, list]:

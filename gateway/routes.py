@@ -1,8 +1,8 @@
-"""Resolving a model name (and optional version) to the version that serves it."""
+"""Resolving a model name and a version number or alias name to the version that serves it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,6 +21,10 @@ class InputSpec:
     datatype: str
     dtype: np.dtype
     shape: tuple[int, ...]
+    # The version takes NaN as a missing value here (ModelVersion.allow_missing).
+    allow_missing: bool = False
+    # A BYTES input the agent tokenizes (the version has a tokenizer): must be UTF-8 text.
+    text: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Route:
     feature_names: tuple[str, ...]
     # Text generation: streamed tokens instead of tensors, within the version's token limits.
     generates_text: bool = False
+    format: str = "onnx"  # the artifact's: "hf" versions tokenize on the agent
     max_input_tokens: int = 0
     max_output_tokens: int = 0
     # Prediction logging: the share sampled, and {field: "redact" | "hash"} applied first.
@@ -49,6 +54,9 @@ class Route:
     primary_timeout_ms: int | None = None
     fallback_timeout_ms: int | None = None
     default_outputs: tuple[tuple[str, np.ndarray], ...] = field(default=(), compare=False)
+    # The alias the request named (its rollout plan splits the traffic), or None when it
+    # named a version number (answered by that version alone).
+    alias: str | None = None
 
     @property
     def degrades(self) -> bool:
@@ -84,6 +92,7 @@ def route_of(version: ModelVersion) -> Route:
             outputs=tuple(version.outputs),
             feature_names=(),
             generates_text=True,
+            format=version.format,
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,
             log_sample_rate=log_sample_rate,
@@ -99,7 +108,14 @@ def route_of(version: ModelVersion) -> Route:
         version=version.version,
         task=model.task,
         inputs=tuple(
-            InputSpec(t["name"], t["datatype"], OIP_TO_NUMPY[t["datatype"]], tuple(t["shape"]))
+            InputSpec(
+                t["name"],
+                t["datatype"],
+                OIP_TO_NUMPY[t["datatype"]],
+                tuple(t["shape"]),
+                allow_missing=version.allow_missing,
+                text=bool(version.tokenizer) and t["datatype"] == "BYTES",
+            )
             for t in version.inputs
         ),
         outputs=tuple(version.outputs),
@@ -115,22 +131,21 @@ def route_of(version: ModelVersion) -> Route:
     )
 
 
-def resolve_route(tenant_id: int, model_name: str, version: int | None) -> Route:
-    """The version behind ``production`` (or the given version) of a model of this tenant."""
+def resolve_route(tenant_id: int, model_name: str, target: int | str) -> Route:
+    """The version a model of this tenant serves for ``target``: a version number, or an
+    alias name (``production``, ``staging``, ...)."""
     try:
         model = model_for(tenant_id, model_name)
-        if version is not None:
-            return route_of(version_for(model, version))
+        if isinstance(target, int):
+            return route_of(version_for(model, target))
     except NotFound as exc:
         raise RouteMissing(str(exc)) from None
-    alias = (
-        Alias.objects.select_related("version__model")
-        .filter(model__tenant_id=tenant_id, model__name=model_name, name=DEFAULT_ALIAS)
-        .first()
-    )
+    alias = Alias.objects.select_related("version__model").filter(model=model, name=target).first()
     if alias is None:
-        raise RouteMissing(f"model {model_name!r} has no {DEFAULT_ALIAS!r} version yet")
-    return route_of(alias.version)
+        if target == DEFAULT_ALIAS:
+            raise RouteMissing(f"model {model_name!r} has no {DEFAULT_ALIAS!r} version yet")
+        raise RouteMissing(f"model {model_name!r} has no alias {target!r}")
+    return replace(route_of(alias.version), alias=target)
 
 
 def resolve_version_id(tenant_id: int, version_id: int) -> Route:

@@ -37,7 +37,7 @@ from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
 from .metrics import Observed, RequestMetrics, fold_dispatched
 from .predlog import PredictionLogger
-from .routes import DEFAULT_ALIAS, Route, RouteMissing, resolve_route, resolve_version_id
+from .routes import Route, RouteMissing, resolve_route, resolve_version_id
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class GatewayState:
         self.max_body = settings.SWITCHYARD_MAX_BODY_BYTES
         self._interval = settings.SWITCHYARD_REFRESH_INTERVAL_S
         self._keys: dict[str, KeyIdentity | None] = {}
-        self._routes: dict[tuple[int, str, int | None], Route | str] = {}
-        self._splits: dict[tuple[int, str], Split | None] = {}
+        # Keyed by (tenant, model, version number or alias name) and (tenant, model, alias).
+        self._routes: dict[tuple[int, str, int | str], Route | str] = {}
+        self._splits: dict[tuple[int, str, str], Split | None] = {}
         self._by_id: dict[tuple[int, int], Route] = {}
         self.traffic = TrafficCounter()
         # Folded into prometheus-client by the refresh loop.
@@ -121,8 +122,9 @@ class GatewayState:
             self._key_use[identity.key_id] = timezone.now()
         return identity
 
-    async def route(self, tenant_id: int, model_name: str, version: int | None) -> Route:
-        key = (tenant_id, model_name, version)
+    async def route(self, tenant_id: int, model_name: str, target: int | str) -> Route:
+        """The route of a version number or an alias name (cached, misses too)."""
+        key = (tenant_id, model_name, target)
         try:
             found = self._routes[key]
         except KeyError:
@@ -135,13 +137,13 @@ class GatewayState:
             raise RouteMissing(found)
         return found
 
-    async def split(self, tenant_id: int, model_name: str) -> Split | None:
-        """The active rollout split of a model's production alias, if any (cached)."""
-        key = (tenant_id, model_name)
+    async def split(self, tenant_id: int, model_name: str, alias: str) -> Split | None:
+        """The active rollout split of one alias of a model, if any (cached)."""
+        key = (tenant_id, model_name, alias)
         try:
             return self._splits[key]
         except KeyError:
-            found = await lookup(active_split, tenant_id, model_name, DEFAULT_ALIAS)
+            found = await lookup(active_split, *key)
             self._remember(self._splits, key, found)
             return found
 

@@ -414,6 +414,56 @@ def latest_report(version_id: int, since: datetime | None = None) -> DriftReport
     return reports.order_by("-created_at").first()
 
 
+# One arm against another on the same traffic ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmDrift:
+    """A rollout candidate's logged predictions against its baseline's over the same window
+    (so the same traffic, split by the plan): the scores decide, the inputs inform (both arms
+    see the same input drift, which says nothing against the candidate)."""
+
+    score: dict | None  # ``compare``'s entry for the candidate's scores vs the baseline's
+    features: dict[str, dict]  # per input feature, the same: for information only
+    rows_baseline: int
+    rows_candidate: int
+    threshold: float
+
+    @property
+    def score_psi(self) -> float | None:
+        return None if self.score is None else self.score.get("psi")
+
+    def describe(self) -> str:
+        """ "score PSI 0.41 vs the baseline's on the same traffic (threshold 0.2; 400/380
+        rows); inputs: age PSI 0.02" """
+        inputs = ", ".join(
+            f"{name} PSI {entry['psi']:.2f}"
+            for name, entry in sorted(self.features.items())
+            if entry.get("psi") is not None
+        )
+        psi = self.score_psi
+        shown = "n/a" if psi is None else f"{psi:.2f}"
+        return (
+            f"score PSI {shown} vs the baseline's on the same traffic (threshold "
+            f"{self.threshold:g}; {self.rows_candidate}/{self.rows_baseline} rows)"
+            + (f"; inputs: {inputs}" if inputs else "")
+        )
+
+
+def compare_arms(
+    baseline_id: int, candidate_id: int, start: datetime, end: datetime, threshold: float
+) -> ArmDrift | None:
+    """The candidate's scores (and inputs) against the baseline's in (start, end]; None while
+    either has fewer than ``MIN_ROWS`` logged rows."""
+    base = read_window(baseline_id, start, end)
+    cand = read_window(candidate_id, start, end)
+    if min(base.rows, cand.rows) < MIN_ROWS:
+        return None
+    features, _ = compare_columns(base.columns, cand, threshold)
+    score = compare_scores(base.scores, cand.scores, threshold)
+    return ArmDrift(score, features, base.rows, cand.rows, threshold)
+
+
 def evidence(version_id: int) -> dict | None:
     """The candidate's latest drift report, as an approval's evidence shows it."""
     report = latest_report(version_id)

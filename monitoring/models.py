@@ -13,8 +13,12 @@ from django.utils import timezone
 class TrafficSample(models.Model):
     """What one gateway process saw of one version over one flush interval.
 
-    Guardrails compare arms by summing these rows over a window: request and error counts and a
-    latency histogram (bucket upper bounds in ``monitoring.traffic.LATENCY_BOUNDS_MS``).
+    Guardrails compare arms by summing these rows over a window: request and error counts, a
+    coarse latency histogram (bucket upper bounds in ``monitoring.traffic.LATENCY_BOUNDS_MS``,
+    read by index in SQL by the SLOs and charts) and a fine one (``latency_fine``: log-spaced
+    buckets about 5 % wide, sparse, for the guardrails' quantile test). Requests a rollout plan
+    routed carry the plan and arm, so two arms of an A/B plan are told apart even when they
+    share a version; shadow copies are never counted here (``rollouts.ShadowSample``).
     """
 
     version = models.ForeignKey(
@@ -27,10 +31,19 @@ class TrafficSample(models.Model):
     # failed (guardrails count them), the client got a degraded answer (the SLOs do not).
     degraded = models.PositiveIntegerField(default=0)
     latency_buckets = models.JSONField()
+    # {fine bucket index (as a JSON key): count}; see monitoring.traffic.fine_index.
+    latency_fine = models.JSONField(default=dict, blank=True)
+    # The rollout plan (id: rollouts sits above monitoring) and arm that routed these requests;
+    # null for requests no plan routed (no plan, or a version asked for explicitly).
+    plan_id = models.PositiveIntegerField(null=True, blank=True)
+    arm = models.CharField(max_length=50, blank=True, default="")
 
     class Meta:
         db_table = "gateway_trafficsample"  # made by the gateway app, moved here with its rows
         ordering = ["-window_end"]
+        indexes = [
+            models.Index(fields=["plan_id", "arm", "window_end"], name="traffic_plan_arm_time")
+        ]
 
     def __str__(self) -> str:
         return f"v{self.version_id} @ {self.window_end:%H:%M:%S}: {self.requests} req"
@@ -137,6 +150,7 @@ class AlertKind(models.TextChoices):
     DRIFT = "drift", "Drift"
     SLO_BURN = "slo_burn", "SLO burn"
     ROLLBACK = "rollback", "Rollback"
+    STALLED = "stalled", "Rollout stalled"
 
 
 class Alert(models.Model):

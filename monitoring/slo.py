@@ -187,6 +187,27 @@ def model_slos(model: Model, now: datetime | None = None) -> dict:
     }
 
 
+def error_budget_spent(model: Model, now: datetime | None = None) -> list[str]:
+    """Each SLI of the model whose error budget over the SLO window is spent, in words ("the
+    availability SLO (99.9 % of requests without a server error): 30-day error budget spent,
+    150 % over"); empty when every budget has some left. What the release freeze reads."""
+    status = model_slos(model, now)
+    spent = []
+    for sli in status["slis"]:
+        if sli["requests"] and sli["budget_remaining"] <= 0:
+            objective = f"{sli['objective'] * 100:g} %"
+            what = (
+                f"{objective} of requests without a server error"
+                if sli["sli"] == "availability"
+                else f"{objective} of requests within {sli['threshold_ms']:g} ms"
+            )
+            spent.append(
+                f"the {sli['sli']} SLO ({what}): {status['window_days']:g}-day error budget "
+                f"spent, {-sli['budget_remaining'] * 100:.0f} % over"
+            )
+    return spent
+
+
 def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HOURS) -> dict:
     """The 1 h and 5 m burn rates of both SLIs at every minute of the last ``hours``, for the
     chart: ``{"t": [...], "availability_1h": [...], ...}``; None where a window saw no requests."""

@@ -20,6 +20,7 @@ from gateway import grpc_server, links  # noqa: E402
 from gateway.api.predict_app import predict_app, predict_url  # noqa: E402
 from gateway.asgi_types import Receive, Scope, Send  # noqa: E402
 from gateway.consumers import AgentConsumer  # noqa: E402
+from gateway.embeddings import embeddings_app  # noqa: E402
 from gateway.http_bounds import bound_body_reads  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
@@ -41,6 +42,8 @@ async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/"):
         await oip_app(scope, receive, send)
+    elif path == "/v1/embeddings":  # OpenAI's, served lean as OIP is
+        await embeddings_app(scope, receive, send)
     elif path == "/metrics":
         await metrics_app(scope, receive, send)
     elif (predict := predict_url(scope)) is not None:  # the prediction API, before Django

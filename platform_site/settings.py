@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -255,6 +255,43 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
 ]
+# Single sign-on -------------------------------------------------------------------------------
+# OpenID Connect for the web UI (docs/sso.md), on only when an issuer (or the explicit endpoints)
+# and a client id/secret are set; Django passwords stay the default either way.
+SWITCHYARD_OIDC_ISSUER = env("SWITCHYARD_OIDC_ISSUER").rstrip("/")
+OIDC_RP_CLIENT_ID = env("SWITCHYARD_OIDC_CLIENT_ID")
+OIDC_RP_CLIENT_SECRET = env("SWITCHYARD_OIDC_CLIENT_SECRET")
+OIDC_OP_AUTHORIZATION_ENDPOINT = env("SWITCHYARD_OIDC_AUTHORIZATION_ENDPOINT")
+OIDC_OP_TOKEN_ENDPOINT = env("SWITCHYARD_OIDC_TOKEN_ENDPOINT")
+OIDC_OP_USER_ENDPOINT = env("SWITCHYARD_OIDC_USERINFO_ENDPOINT")
+OIDC_OP_JWKS_ENDPOINT = env("SWITCHYARD_OIDC_JWKS_ENDPOINT")
+OIDC_RP_SIGN_ALGO = "RS256"
+OIDC_TIMEOUT = 10  # seconds for each call to the provider (token, userinfo, JWKS)
+# A provider whose tokens name no key id (one signing key) needs this off.
+OIDC_VERIFY_KID = env_bool("SWITCHYARD_OIDC_VERIFY_KID", True)
+OIDC_RP_SCOPES = "openid email profile groups"
+SWITCHYARD_OIDC_GROUPS_CLAIM = env("SWITCHYARD_OIDC_GROUPS_CLAIM", "groups")
+SWITCHYARD_OIDC_ROLE_MAP = env("SWITCHYARD_OIDC_ROLE_MAP", "{}")
+if SWITCHYARD_OIDC_ISSUER and OIDC_RP_CLIENT_ID and not OIDC_OP_AUTHORIZATION_ENDPOINT:
+    import httpx  # discovery at startup, bounded: a provider that does not answer fails loudly
+
+    _discovered = httpx.get(
+        f"{SWITCHYARD_OIDC_ISSUER}/.well-known/openid-configuration", timeout=5
+    ).json()
+    OIDC_OP_AUTHORIZATION_ENDPOINT = _discovered["authorization_endpoint"]
+    OIDC_OP_TOKEN_ENDPOINT = _discovered["token_endpoint"]
+    OIDC_OP_USER_ENDPOINT = _discovered["userinfo_endpoint"]
+    OIDC_OP_JWKS_ENDPOINT = _discovered["jwks_uri"]
+SSO_ENABLED = bool(
+    OIDC_RP_CLIENT_ID
+    and OIDC_RP_CLIENT_SECRET
+    and OIDC_OP_AUTHORIZATION_ENDPOINT
+    and OIDC_OP_TOKEN_ENDPOINT
+    and OIDC_OP_JWKS_ENDPOINT
+)
+if SSO_ENABLED:
+    INSTALLED_APPS.append("mozilla_django_oidc")
+    AUTHENTICATION_BACKENDS.append("tenants.sso.SwitchyardOIDCBackend")
 AXES_FAILURE_LIMIT = env_int("SWITCHYARD_LOGIN_FAILURES", 5)
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("SWITCHYARD_LOGIN_LOCKOUT_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
@@ -287,6 +324,38 @@ STATICFILES_DIRS = [
 ]
 MEDIA_ROOT = Path(env("SWITCHYARD_MEDIA_ROOT", str(SWITCHYARD_VAR_DIR / "media")))
 MEDIA_URL = "media/"
+
+# --- Artifact storage -------------------------------------------------------------------------
+# Local disk (MEDIA_ROOT) is the embedded default. SWITCHYARD_STORAGE=s3 puts artifacts in an
+# S3-compatible bucket through django-storages; credentials come from the usual AWS environment
+# (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or the instance's role), never from this file.
+# GCS/Azure follow the same pattern: "storages.backends.gcloud.GoogleCloudStorage" or
+# "storages.backends.azure_storage.AzureStorage" with their own OPTIONS (docs/storage.md).
+SWITCHYARD_STORAGE = env("SWITCHYARD_STORAGE", "local")
+if SWITCHYARD_STORAGE not in ("local", "s3"):
+    raise ImproperlyConfigured(f"SWITCHYARD_STORAGE={SWITCHYARD_STORAGE!r}: use local or s3")
+_DEFAULT_STORAGE: dict[str, Any] = {"BACKEND": "django.core.files.storage.FileSystemStorage"}
+if SWITCHYARD_STORAGE == "s3":
+    _DEFAULT_STORAGE = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": env("SWITCHYARD_S3_BUCKET", ""),
+            "endpoint_url": env("SWITCHYARD_S3_ENDPOINT_URL", "") or None,
+            "region_name": env("SWITCHYARD_S3_REGION", "") or None,
+            # Private objects; agents get short presigned GET URLs straight to the bucket.
+            "default_acl": None,
+            "querystring_auth": True,
+            "querystring_expire": 300,
+            "file_overwrite": False,
+        },
+    }
+    if not _DEFAULT_STORAGE["OPTIONS"]["bucket_name"]:
+        raise ImproperlyConfigured("SWITCHYARD_STORAGE=s3 needs SWITCHYARD_S3_BUCKET")
+STORAGES = {
+    "default": _DEFAULT_STORAGE,
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+# ----------------------------------------------------------------------------------------------
 # Uploads above this are spooled to disk by Django, then hashed, checked and moved into
 # storage from there (registry.services.create_version): never held in memory whole.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 1024 * 1024
@@ -297,6 +366,10 @@ SWITCHYARD_MAX_UPLOAD_BYTES = SWITCHYARD_MAX_ARTIFACT_BYTES + 1024 * 1024
 # Largest request body (inference and API); larger ones get 413.
 SWITCHYARD_MAX_BODY_BYTES = env_int("SWITCHYARD_MAX_BODY_BYTES", 16 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SWITCHYARD_MAX_BODY_BYTES
+# BYTES tensors (text, labels): the largest element, and the most bytes one input may hold in
+# all; past them a request gets 400 naming the input (gateway/bytes_tensors.py).
+SWITCHYARD_MAX_BYTES_ELEMENT = env_int("SWITCHYARD_MAX_BYTES_ELEMENT", 64 * 1024)
+SWITCHYARD_MAX_BYTES_TENSOR = env_int("SWITCHYARD_MAX_BYTES_TENSOR", 4 * 1024 * 1024)
 # Half-sent requests (gateway/http_bounds.py): the request line and headers must arrive
 # within this long of the connection (or the request) starting, and a body may pause at most
 # this long between two pieces; past either, 408 and the connection is closed.
@@ -344,6 +417,9 @@ SWITCHYARD_WS_KEY_RECHECK_S = env_float("SWITCHYARD_WS_KEY_RECHECK_S", 2)
 SWITCHYARD_REFRESH_INTERVAL_S = env_float("SWITCHYARD_REFRESH_INTERVAL_S", 0.5)
 # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).
 SWITCHYARD_RATE_LEASE_FRACTION = env_float("SWITCHYARD_RATE_LEASE_FRACTION", 0.1)
+# After an alias moves away from a version, agents keep that version (the last-known-good)
+# loaded this long, so a rollback to it needs no cold load; Model.rollback_warm_s overrides it.
+SWITCHYARD_ROLLBACK_WARM_S = env_int("SWITCHYARD_ROLLBACK_WARM_S", 3600)
 # Agents silent for longer are treated as gone.
 SWITCHYARD_AGENT_STALE_S = env_float("SWITCHYARD_AGENT_STALE_S", 30)
 SWITCHYARD_AGENT_HEARTBEAT_S = env_float("SWITCHYARD_AGENT_HEARTBEAT_S", 5)

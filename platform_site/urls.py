@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.contrib import admin
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -58,6 +59,8 @@ urlpatterns = [
     path("v1/models", openai_api.models),
     path("", include("web.urls")),
 ]
+if settings.SSO_ENABLED:
+    urlpatterns += [path("oidc/", include("mozilla_django_oidc.urls"))]
 
 handler400 = bad_request
 handler404 = not_found

@@ -8,7 +8,10 @@ from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
-from .models import Alias, Model, ModelVersion
+from tenants.admin_audit import AuditedAdmin
+from tenants.audit import SYSTEM, Actor, user_actor
+
+from .models import Model, ModelVersion
 from .services import (
     SERVING_FIELDS,
     check_personal_fields,
@@ -19,7 +22,7 @@ from .signature import SignatureError
 
 
 @admin.register(Model)
-class ModelAdmin(admin.ModelAdmin):
+class ModelAdmin(AuditedAdmin):
     list_display = ["name", "tenant", "task", "created_at"]
     list_filter = ["tenant", "task"]
     search_fields = ["name"]
@@ -29,18 +32,26 @@ class VersionUploadForm(forms.ModelForm):
     """On creation: the artifact is hashed and its signature read and checked."""
 
     upload = forms.FileField(help_text="ONNX file", required=True)
+    tokenizer_file = forms.FileField(
+        required=False,
+        label="Tokenizer",
+        help_text="tokenizer.json: the version then takes a BYTES text input",
+    )
     created: ModelVersion  # set by clean(): the version the upload became
+    actor: Actor = SYSTEM  # set by the admin's get_form(): who uploads, for the audit log
 
     class Meta:
         model = ModelVersion
         fields = [
             "model",
             "upload",
+            "tokenizer_file",
             "source_commit",
             "training_data_hash",
             "parent",
             "offline_metrics",
             "feature_names",
+            "allow_missing",
             *SERVING_FIELDS,
         ]
 
@@ -52,10 +63,15 @@ class VersionUploadForm(forms.ModelForm):
         if model is None or upload is None:
             return data
         details = {
-            k: data[k] for k in self.Meta.fields if k in data and k not in ("model", "upload")
+            k: data[k]
+            for k in self.Meta.fields
+            if k in data and k not in ("model", "upload", "tokenizer_file")
         }
+        tokenizer = data.get("tokenizer_file")
         try:
-            self.created = create_version(model, upload, **details)
+            self.created = create_version(
+                model, upload, actor=self.actor, tokenizer=tokenizer, **details
+            )
         except SignatureError as exc:
             raise forms.ValidationError({"upload": f"{exc.field}: {exc}"}) from None
         return data
@@ -73,7 +89,9 @@ class VersionChangeForm(forms.ModelForm):
 
 
 @admin.register(ModelVersion)
-class ModelVersionAdmin(admin.ModelAdmin):
+class ModelVersionAdmin(AuditedAdmin):
+    audits_saves = False  # uploads and setting changes go through the audited services
+
     list_display = ["__str__", "sha256", "format", "device", "created_at"]
     list_filter = ["model__tenant", "format"]
     editable = SERVING_FIELDS
@@ -86,7 +104,11 @@ class ModelVersionAdmin(admin.ModelAdmin):
         **kwargs: Any,
     ) -> type[forms.ModelForm[ModelVersion]]:
         kwargs["form"] = VersionUploadForm if obj is None else VersionChangeForm
-        return super().get_form(request, obj, change, **kwargs)
+        form = super().get_form(request, obj, change, **kwargs)
+        if obj is None:
+            # A subclass per request: the upload (in clean()) is audited as this person's.
+            return type(form.__name__, (form,), {"actor": user_actor(request.user)})
+        return form
 
     def get_fields(self, request: HttpRequest, obj: ModelVersion | None = None) -> tuple[str, ...]:
         if obj is None:
@@ -109,7 +131,11 @@ class ModelVersionAdmin(admin.ModelAdmin):
     ) -> None:
         if change:
             # Through the same checks as the API (personal fields name real inputs).
-            update_serving_settings(obj, {f: form.cleaned_data[f] for f in form.changed_data})
+            changes = {f: form.cleaned_data[f] for f in form.changed_data}
+            # The object already holds the form's values: the function compares with the row.
+            update_serving_settings(
+                ModelVersion.objects.get(pk=obj.pk), changes, user_actor(request.user)
+            )
             return
         assert isinstance(form, VersionUploadForm)  # get_form() gives a new version this form
         created = form.created
@@ -118,14 +144,5 @@ class ModelVersionAdmin(admin.ModelAdmin):
         obj.pk = created.pk
 
 
-@admin.register(Alias)
-class AliasAdmin(admin.ModelAdmin):
-    list_display = ["__str__", "model", "name", "version", "updated_at", "updated_by"]
-    list_filter = ["model__tenant"]
-    readonly_fields = ["updated_by", "updated_at"]
-
-    def save_model(
-        self, request: HttpRequest, obj: Alias, form: forms.ModelForm[Alias], change: bool
-    ) -> None:
-        obj.updated_by_id = request.user.pk
-        super().save_model(request, obj, form, change)
+# Alias is registered by rollouts.admin: moving an alias goes through rollouts.approvals (the
+# rollout policy's protected aliases need an approval), which this app cannot import.

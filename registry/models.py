@@ -19,6 +19,20 @@ name_validator = RegexValidator(
 )
 # The same names, for lookups (with fullmatch: "$" would let a trailing newline through).
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
+# Alias names: a model name's characters, at most 50 of them, and never only digits. Clients
+# name an alias where they could name a version number (``/v2/models/{name}/versions/{alias}``),
+# so "3" must always mean version 3. Use with fullmatch.
+ALIAS_NAME = re.compile(r"(?![0-9]+\Z)[a-z0-9][a-z0-9._-]{0,49}")
+alias_name_validator = RegexValidator(
+    r"\A(?![0-9]+\Z)[a-z0-9][a-z0-9._-]{0,49}\Z",
+    "Use lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
+    "50 characters and not only digits (a number names a version).",
+)
+
+
+# The longest a model may keep its last-known-good version warm (a week): the bound of
+# ``Model.rollback_warm_s``, and how far back ``served_versions`` looks.
+MAX_ROLLBACK_WARM_S = 7 * 24 * 3600
 
 
 class TaskKind(models.TextChoices):
@@ -77,6 +91,11 @@ class Model(models.Model):
     )
     # OIP v2 output tensors [{"name", "datatype", "shape", "data"}], answered as is.
     default_answer = models.JSONField(null=True, blank=True)
+    # How long a version an alias moved away from stays loaded (the last-known-good, warm for
+    # a rollback); empty: SWITCHYARD_ROLLBACK_WARM_S. See registry.services.served_versions.
+    rollback_warm_s = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(MAX_ROLLBACK_WARM_S)]
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -113,6 +132,12 @@ class ArtifactFormat(models.TextChoices):
     # Safetensors weights of the known decoder-only architecture (serving_agent.textgen): no
     # pickle, so loading a tenant's upload runs no code.
     TEXTGEN = "textgen", "Text generation (safetensors)"
+    # A Hugging Face causal LM as one archive: config.json of a supported architecture,
+    # *.safetensors weights and tokenizer.json; refused at upload if anything needs pickle or
+    # remote code.
+    HF = "hf", "Hugging Face causal LM (archive)"
+    # A torch model exported without arbitrary unpickling (torch.export archive).
+    TORCH = "torch", "torch (exported program)"
 
 
 class Device(models.TextChoices):
@@ -124,6 +149,10 @@ class Device(models.TextChoices):
 def artifact_path(instance: ModelVersion, filename: str) -> str:
     # Content-addressed: the file name is the hash, so a stored artifact is never overwritten.
     return f"artifacts/{instance.model.tenant_id}/{instance.sha256}.{instance.format}"
+
+
+def tokenizer_path(instance: ModelVersion, filename: str) -> str:
+    return f"artifacts/{instance.model.tenant_id}/{instance.tokenizer_sha256}.tokenizer.json"
 
 
 class ImmutableVersionError(ValidationError):
@@ -150,6 +179,11 @@ class ModelVersion(models.Model):
         "parent_id",
         "offline_metrics",
         "feature_names",
+        "allow_missing",
+        "tokenizer",
+        "tokenizer_sha256",
+        "artifact_uri",
+        "lineage",
     )
 
     model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="versions")
@@ -181,6 +215,11 @@ class ModelVersion(models.Model):
     max_queue = models.PositiveIntegerField(
         default=256, validators=[MinValueValidator(1), MaxValueValidator(100_000)]
     )
+    # Most requests one caller (tenant, key) may have queued while another caller has work
+    # on the version; 0 means half of ``max_queue``.
+    max_queue_per_caller = models.PositiveIntegerField(
+        default=0, validators=[MaxValueValidator(100_000)]
+    )
     device = models.CharField(max_length=10, choices=Device.choices, default=Device.AUTO)
     # Generation limits per replica (textgen versions): past them a request is refused.
     max_input_tokens = models.PositiveIntegerField(
@@ -192,6 +231,19 @@ class ModelVersion(models.Model):
     max_streams = models.PositiveIntegerField(
         default=16, validators=[MinValueValidator(1), MaxValueValidator(4096)]
     )
+    # Tree models mark a missing value with NaN: a version that declares it takes NaN (and
+    # only NaN: infinities stay refused) in its float inputs.
+    allow_missing = models.BooleanField(default=False)
+    # A tokenizer (tokenizers' tokenizer.json) attached to an ONNX version, so its BYTES text
+    # inputs are tokenized on the agent. Immutable, verified by its hash like the artifact.
+    tokenizer = models.FileField(upload_to=tokenizer_path, max_length=300, blank=True)
+    tokenizer_sha256 = models.CharField(max_length=64, blank=True)
+    # Registered by reference: where the artifact lives outside the platform's own storage
+    # (``s3://bucket/key``, or a local path in the embedded mode); empty when uploaded.
+    artifact_uri = models.CharField(max_length=1024, blank=True)
+    # Where the version came from outside Switchyard, e.g. {"mlflow": {"tracking_uri",
+    # "name", "version", "run_id", "metrics", "params", "signature"}}.
+    lineage = models.JSONField(default=dict, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
@@ -215,6 +267,17 @@ class ModelVersion(models.Model):
             self.check_unchanged()
         super().save(*args, **kwargs)
 
+    def clean(self) -> None:
+        # A per-caller cap above the whole queue would never bite: refuse it rather than
+        # let a flooding caller believe it is capped.
+        if self.max_queue_per_caller > self.max_queue:
+            raise ValidationError(
+                {
+                    "max_queue_per_caller": f"must be at most max_queue ({self.max_queue}); "
+                    "0 means half of max_queue"
+                }
+            )
+
     def check_unchanged(self) -> None:
         stored = ModelVersion.objects.filter(pk=self.pk).values(*self.IMMUTABLE_FIELDS).first()
         if stored is None:
@@ -227,19 +290,19 @@ class ModelVersion(models.Model):
 
     @property
     def generates_text(self) -> bool:
-        return self.format == ArtifactFormat.TEXTGEN
+        return self.format in (ArtifactFormat.TEXTGEN, ArtifactFormat.HF)
 
 
 def _field_value(version: ModelVersion, field: str) -> object:
     value = getattr(version, field)
-    return value.name if field == "artifact" else value
+    return value.name if field in ("artifact", "tokenizer") else value
 
 
 class Alias(models.Model):
     """A movable name (``production``, ``staging``) pointing at one version of a model."""
 
     model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="aliases")
-    name = models.CharField(max_length=50, validators=[name_validator])
+    name = models.CharField(max_length=50, validators=[alias_name_validator])
     version = models.ForeignKey(ModelVersion, on_delete=models.PROTECT, related_name="aliases")
     updated_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
@@ -263,6 +326,45 @@ class Alias(models.Model):
     def clean(self) -> None:
         if self.version_id and self.model_id and self.version.model_id != self.model_id:
             raise ValidationError({"version": "The version must belong to the alias's model."})
+
+
+class AliasChange(models.Model):
+    """One move of an alias, written by ``registry.services.set_alias`` in the move's own
+    transaction: the alias's history, and where a rollback may go (a version it pointed at
+    before). A break-glass rollback (``rollouts.rollback``) is flagged until an approver other
+    than the person who took it marks it reviewed."""
+
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="alias_changes")
+    alias = models.CharField(max_length=50)
+    from_version = models.ForeignKey(
+        ModelVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    to_version = models.ForeignKey(ModelVersion, on_delete=models.PROTECT, related_name="+")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_label = models.CharField(max_length=200)
+    reason = models.TextField(blank=True)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    break_glass = models.BooleanField(default=False)
+    reviewed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    reviewed_by_label = models.CharField(max_length=200, blank=True)
+    reviewed_at = models.DateTimeField(null=True, blank=True)
+    review_comment = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["model", "alias", "-at"], name="alias_change_history")]
+
+    def __str__(self) -> str:
+        was = f"v{self.from_version.version}" if self.from_version else "nothing"
+        return f"{self.model}@{self.alias}: {was} → v{self.to_version.version}"
+
+    @property
+    def needs_review(self) -> bool:
+        return self.break_glass and self.reviewed_at is None
 
 
 class ReferenceSample(models.Model):

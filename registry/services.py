@@ -4,34 +4,42 @@ in ``registry.access``)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.base import ContentFile, File
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
+from django.utils import timezone
 
 from platform_site.errors import NotFound, TooLarge
+from serving_agent.torch_archive import ArchiveError, read_archive
 from tenants.audit import SYSTEM, Actor, audit
 
 from .access import version_for
-from .models import Alias, ArtifactFormat, Model, ModelVersion
+from .models import MAX_ROLLBACK_WARM_S, Alias, AliasChange, ArtifactFormat, Model, ModelVersion
+from .pickles import pickle_kind
 from .signature import (
     SignatureError,
     check_declared_matches,
     normalize_declared,
     read_onnx_signature,
     read_onnx_signature_from_file,
+    with_artifact_parameters,
 )
+from .text import check_tokenizer, text_signature
 
 # What an upload says about a version besides its serving settings: the artifact, its signature
 # and lineage. Immutable once the version exists.
 UPLOAD_FIELDS = (
     "artifact",
+    "tokenizer",
     "format",
     "inputs",
     "outputs",
@@ -40,12 +48,16 @@ UPLOAD_FIELDS = (
     "source_commit",
     "training_data_hash",
     "parent",
+    # Float inputs take NaN as a missing value (tree models); fixed with the artifact.
+    "allow_missing",
 )
 # The only fields of a version that may change after upload.
 SERVING_FIELDS = (
     "max_batch_size",
     "max_queue_delay_ms",
     "max_queue",
+    # Most requests one caller may hold queued while another has work (0: half of max_queue).
+    "max_queue_per_caller",
     "device",
     "description",
     "max_input_tokens",
@@ -63,6 +75,9 @@ MONITORING_FIELDS = (
     "slo_availability",
     "slo_latency_ms",
     "slo_latency_target",
+    # How long the last-known-good version stays warm after its alias moves (null: the
+    # SWITCHYARD_ROLLBACK_WARM_S default); see served_versions.
+    "rollback_warm_s",
 )
 # The fallback ladder (``Model.fallback_version`` and the rest): set like the settings above.
 LADDER_FIELDS = ("fallback_version", "primary_timeout_ms", "fallback_timeout_ms", "default_answer")
@@ -82,16 +97,22 @@ def create_version(
     feature_names: list[str] | None = None,
     created_by: User | None = None,
     format: str = ArtifactFormat.ONNX,
+    actor: Actor = SYSTEM,
+    tokenizer: bytes | File | None = None,
     **details: Any,
 ) -> ModelVersion:
     """Store a new immutable version: hash the artifact, read and check its signature.
 
     A declared signature (``inputs``/``outputs``) must agree with the artifact's own, or the
     upload is refused; when none is declared the artifact's is recorded. A ``textgen`` artifact
-    must be a safetensors file of the known architecture, checked without running any code.
+    must be a safetensors file of the known architecture, checked without running any code; a
+    ``torch`` artifact a ``torch.export`` archive, its signature read from its JSON. Pickle data
+    is refused in every format.
 
     ``artifact`` may be an uploaded file: one the server spooled to disk is hashed and checked
     from disk in chunks, and moved into storage, never read into memory whole.
+
+    A ``tokenizer`` (tokenizer.json) on an ONNX version makes it take text (``registry.text``).
     """
     upload = artifact if isinstance(artifact, File) else ContentFile(artifact)
     limit = settings.SWITCHYARD_MAX_ARTIFACT_BYTES
@@ -99,16 +120,33 @@ def create_version(
         raise SignatureError("artifact", "the uploaded file is empty")
     if upload.size > limit:
         raise TooLarge("artifact", f"the uploaded file is larger than the limit of {limit} bytes")
+    refuse_pickle(upload, "artifact")
+    if tokenizer is not None:
+        refuse_pickle(
+            tokenizer if isinstance(tokenizer, File) else ContentFile(tokenizer), "tokenizer"
+        )
     if format == ArtifactFormat.TEXTGEN:
         real_inputs, real_outputs = _check_textgen(upload)
+    elif format == ArtifactFormat.TORCH:
+        real_inputs, real_outputs = _check_torch(upload)
+    elif format == ArtifactFormat.HF:
+        real_inputs, real_outputs = _check_hf(upload)
     else:
         real_inputs, real_outputs = _onnx_signature(upload)
+    tokenizer_file = None
+    if tokenizer is not None:
+        if format != ArtifactFormat.ONNX:
+            raise SignatureError("tokenizer", "a tokenizer attaches to ONNX versions only")
+        tokenizer_file = tokenizer if isinstance(tokenizer, File) else ContentFile(tokenizer)
+        check_tokenizer(tokenizer_file)
+        real_inputs, real_outputs = text_signature(real_inputs, real_outputs)
     if inputs is not None:
         inputs = normalize_declared(inputs, "inputs")
         check_declared_matches(inputs, real_inputs, "inputs")
     if outputs is not None:
         outputs = normalize_declared(outputs, "outputs")
         check_declared_matches(outputs, real_outputs, "outputs")
+        outputs = with_artifact_parameters(outputs, real_outputs)
     inputs = inputs or real_inputs
     outputs = outputs or real_outputs
     feature_names = feature_names or []
@@ -137,8 +175,24 @@ def create_version(
         check_personal_fields(version, version.personal_fields)
         # A file spooled to disk is moved, not copied through memory (Django's storage).
         version.artifact.save(f"{sha256}.{format}", upload, save=False)
+        if tokenizer_file is not None:
+            version.tokenizer_sha256 = _sha256(tokenizer_file)
+            version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
         version.full_clean(exclude=["artifact"])
         version.save()
+        after = {
+            "sha256": sha256,
+            "format": format,
+            "size": upload.size,
+            "tokenizer_sha256": version.tokenizer_sha256,
+            "parent": parent.version if parent is not None else None,
+            **{
+                f: getattr(version, f)
+                for f in ("source_commit", "training_data_hash", "allow_missing")
+            },
+            **{f: getattr(version, f) for f in SERVING_FIELDS},
+        }
+        audit(model.tenant_id, actor, "version.create", str(version), after=after)
     return version
 
 
@@ -189,6 +243,40 @@ def _check_textgen(upload: File) -> tuple[list[dict], list[dict]]:
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
+def refuse_pickle(upload: File, field: str) -> None:
+    """Refuse pickle data whatever format the upload claims: unpickling runs the writer's code."""
+    kind = pickle_kind(upload)
+    if kind is not None:
+        raise SignatureError(
+            field,
+            f"pickle files are refused: the {field} is {kind}, and loading a pickle runs "
+            "whatever code its writer chose. Upload ONNX, a torch.export archive "
+            "(torch.export.save) or safetensors weights instead.",
+        )
+
+
+def _check_torch(upload: File) -> tuple[list[dict], list[dict]]:
+    """A torch.export archive's signature, read from its JSON: nothing in it runs here."""
+    path = _on_disk(upload)
+    try:
+        if path is not None:
+            archive = read_archive(path)
+        else:
+            upload.seek(0)
+            archive = read_archive(io.BytesIO(upload.read()))
+    except ArchiveError as exc:
+        raise SignatureError("artifact", f"not a valid torch.export archive: {exc}") from None
+    return archive.inputs, archive.outputs
+
+
+def _check_hf(upload: File) -> tuple[list[dict], list[dict]]:
+    from .hf_artifact import check_hf_archive
+
+    upload.seek(0)
+    check_hf_archive(_on_disk(upload) or upload)
+    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
+
+
 def _check_feature_names(names: list[str], inputs: list[dict]) -> None:
     if not names:
         return
@@ -203,8 +291,11 @@ def _check_feature_names(names: list[str], inputs: list[dict]) -> None:
         )
 
 
-def update_serving_settings(version: ModelVersion, changes: dict[str, Any]) -> ModelVersion:
-    """Change batching, device or description; anything else about a version is immutable."""
+def update_serving_settings(
+    version: ModelVersion, changes: dict[str, Any], actor: Actor = SYSTEM
+) -> ModelVersion:
+    """Change batching, device, description or the personal-field rules, audited (only what
+    changed); anything else about a version is immutable."""
     refused = sorted(set(changes) - set(SERVING_FIELDS))
     if refused:
         raise SignatureError(
@@ -212,10 +303,15 @@ def update_serving_settings(version: ModelVersion, changes: dict[str, Any]) -> M
         )
     if "personal_fields" in changes:
         check_personal_fields(version, changes["personal_fields"])
+    before = {f: getattr(version, f) for f in changes if getattr(version, f) != changes[f]}
     for field, value in changes.items():
         setattr(version, field, value)
     version.full_clean(exclude=["artifact"])
-    version.save()
+    with transaction.atomic():
+        version.save()
+        if before:
+            after = {f: getattr(version, f) for f in before}
+            audit(version.model.tenant_id, actor, "version.settings", str(version), before, after)
     return version
 
 
@@ -234,12 +330,14 @@ def check_personal_fields(version: ModelVersion, fields: object) -> dict[str, st
     return fields
 
 
-def update_model_settings(model: Model, changes: dict[str, Any]) -> Model:
+def update_model_settings(model: Model, changes: dict[str, Any], actor: Actor = SYSTEM) -> Model:
     """Change a model's description, monitoring settings or fallback ladder (its name and task
-    stay). ``fallback_version`` is a version number of this model, or None."""
+    stay), audited. ``fallback_version`` is a version number of this model, or None."""
     refused = sorted(set(changes) - set(MONITORING_FIELDS) - set(LADDER_FIELDS))
     if refused:
         raise SignatureError(refused[0], "cannot change; a model's name and task are fixed")
+    changes = dict(changes)  # the caller's dict stays as it was
+    before = {f: model_setting(model, f) for f in changes}
     if "fallback_version" in changes:
         number = changes.pop("fallback_version")
         try:
@@ -249,15 +347,52 @@ def update_model_settings(model: Model, changes: dict[str, Any]) -> Model:
     for field, value in changes.items():
         setattr(model, field, value)
     model.full_clean(exclude=["tenant"], validate_unique=False)
-    model.save()
+    with transaction.atomic():
+        model.save()
+        after = {f: model_setting(model, f) for f in before}
+        audit(model.tenant_id, actor, "model.update", model.name, before, after)
     return model
 
 
+class DuplicateName(SignatureError):
+    """A model name the tenant already uses."""
+
+
+def create_model(tenant_id: int, actor: Actor, name: str, task: str, **settings: Any) -> Model:
+    """Register a model in a tenant, audited in the same transaction. ``settings`` are the
+    model's monitoring settings (``MONITORING_FIELDS``), validated like an update's."""
+    model = Model(tenant_id=tenant_id, name=name, task=task, **settings)
+    model.full_clean(exclude=["tenant"], validate_unique=False)
+    try:
+        with transaction.atomic():
+            # The unique (tenant, name) constraint decides a race between two creators.
+            model.save()
+            after = {"task": task, **{f: getattr(model, f) for f in settings}}
+            audit(tenant_id, actor, "model.create", name, {}, after)
+    except IntegrityError:
+        raise DuplicateName("name", "this tenant already has a model with this name") from None
+    return model
+
+
+def model_setting(model: Model, field: str) -> object:
+    """A model setting as the audit log records it (the fallback by its version number)."""
+    if field == "fallback_version":
+        return model.fallback_version.version if model.fallback_version else None
+    return getattr(model, field)
+
+
 def set_alias(
-    model: Model, name: str, version: ModelVersion, actor: Actor = SYSTEM, reason: str = ""
+    model: Model,
+    name: str,
+    version: ModelVersion,
+    actor: Actor = SYSTEM,
+    reason: str = "",
+    *,
+    break_glass: bool = False,
 ) -> Alias:
-    """Point an alias at a version (creating the alias if needed), audited in the same
-    transaction. Protected aliases reach here through ``rollouts.approvals``."""
+    """Point an alias at a version (creating the alias if needed), audited and recorded in the
+    alias's history (``AliasChange``) in the same transaction. Protected aliases reach here
+    through ``rollouts.approvals``; a break-glass rollback through ``rollouts.rollback``."""
     if version.model_id != model.pk:
         raise SignatureError("version", "the version must belong to this model")
     with transaction.atomic():
@@ -266,20 +401,72 @@ def set_alias(
         if alias is None:
             alias = Alias(model=model, name=name)
         before = {"version": alias.version.version} if alias.version_id else {}
+        from_version_id = alias.version_id
         alias.version = version
         alias.updated_by_id = actor.user_id
         alias.full_clean()
         alias.save()
         after = {"version": version.version}
-        audit(model.tenant_id, actor, "alias.move", f"{model}@{name}", before, after, reason)
+        AliasChange.objects.create(
+            model=model,
+            alias=name,
+            from_version_id=from_version_id,
+            to_version=version,
+            actor_id=actor.user_id,
+            actor_label=actor.label,
+            reason=reason,
+            break_glass=break_glass,
+        )
+        action = "alias.rollback" if break_glass else "alias.move"
+        if break_glass:
+            after["break_glass"] = True
+        audit(model.tenant_id, actor, action, f"{model}@{name}", before, after, reason)
     return alias
 
 
+def alias_history(model: Model, alias: str) -> QuerySet[AliasChange]:
+    """An alias's moves, newest first."""
+    return AliasChange.objects.filter(model=model, alias=alias).select_related(
+        "from_version", "to_version"
+    )
+
+
+def warm_window_s(model: Model) -> int:
+    """How long this model's last-known-good version stays loaded after its alias moves."""
+    if model.rollback_warm_s is not None:
+        return model.rollback_warm_s
+    return int(settings.SWITCHYARD_ROLLBACK_WARM_S)
+
+
+def last_known_good_ids(tenant_id: int | None = None) -> set[int]:
+    """Versions an alias moved away from within their model's warm window (see
+    ``warm_window_s``): kept loaded so that a rollback to them needs no cold load."""
+    now = timezone.now()
+    oldest = now - timedelta(seconds=max(MAX_ROLLBACK_WARM_S, settings.SWITCHYARD_ROLLBACK_WARM_S))
+    changes = AliasChange.objects.filter(from_version__isnull=False, at__gte=oldest)
+    if tenant_id is not None:
+        changes = changes.filter(model__tenant_id=tenant_id)
+    default = int(settings.SWITCHYARD_ROLLBACK_WARM_S)
+    ids: set[int] = set()
+    for version_id, at, own in changes.values_list(
+        "from_version_id", "at", "model__rollback_warm_s"
+    ):
+        window = default if own is None else own
+        if at >= now - timedelta(seconds=window):
+            ids.add(version_id)
+    return ids
+
+
 def served_versions(tenant_id: int | None = None) -> QuerySet[ModelVersion]:
-    """Versions that some alias points at, and models' fallback versions (they must be warm
-    when their model fails): what agents must serve (optionally for one tenant)."""
+    """Versions that some alias points at, models' fallback versions (they must be warm
+    when their model fails) and last-known-good versions (``last_known_good_ids``): what
+    agents must serve (optionally for one tenant)."""
     qs = (
-        ModelVersion.objects.filter(Q(aliases__isnull=False) | Q(fallback_for__isnull=False))
+        ModelVersion.objects.filter(
+            Q(aliases__isnull=False)
+            | Q(fallback_for__isnull=False)
+            | Q(pk__in=last_known_good_ids(tenant_id))
+        )
         .select_related("model")
         .distinct()
     )

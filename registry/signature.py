@@ -17,6 +17,8 @@ from onnx import TensorProto
 from platform_site.errors import Invalid
 from serving_agent.protocol import OIP_TO_NUMPY
 
+from .onnx_check import zipmap_labels
+
 # ONNX element types that map onto Open Inference Protocol v2 datatypes.
 _ONNX_TO_OIP = {
     TensorProto.BOOL: "BOOL",
@@ -31,6 +33,8 @@ _ONNX_TO_OIP = {
     TensorProto.FLOAT16: "FP16",
     TensorProto.FLOAT: "FP32",
     TensorProto.DOUBLE: "FP64",
+    # ONNX string tensors (text inputs, class labels) are OIP's BYTES: UTF-8 on the wire.
+    TensorProto.STRING: "BYTES",
 }
 
 
@@ -38,9 +42,12 @@ class SignatureError(Invalid):
     """The artifact or the declared signature is not acceptable; the message names the field."""
 
 
-def _tensors(values: Any, kind: str) -> list[dict]:
+def _tensors(values: Any, kind: str, labels: dict[str, list] | None = None) -> list[dict]:
     out = []
     for value in values:
+        if value.type.HasField("sequence_type") and labels is not None:
+            out.append(_class_probabilities(value, labels))
+            continue
         tensor_type = value.type.tensor_type
         datatype = _ONNX_TO_OIP.get(tensor_type.elem_type)
         if datatype is None:
@@ -49,7 +56,41 @@ def _tensors(values: Any, kind: str) -> list[dict]:
             )
         shape = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
         out.append({"name": value.name, "datatype": datatype, "shape": shape})
+    if labels:
+        # A classifier's outputs have one row per input row, whatever the converter wrote
+        # (onnxmltools declares LightGBM's label output as [1]).
+        for tensor in out:
+            if tensor["shape"]:
+                tensor["shape"][0] = -1
     return out
+
+
+def _class_probabilities(value: Any, labels: dict[str, list]) -> dict:
+    """The signature of a classifier's ZipMap output (one {label: probability} map per row):
+    the agent returns it as an FP32 [rows, classes] matrix, its columns in the order of the
+    labels recorded in the output's ``parameters``."""
+    element = value.type.sequence_type.elem_type
+    is_map = element.HasField("map_type")
+    key = element.map_type.key_type
+    if (
+        not is_map
+        or key not in (TensorProto.INT64, TensorProto.STRING)
+        or element.map_type.value_type.tensor_type.elem_type != TensorProto.FLOAT
+        or value.name not in labels
+        or not labels[value.name]
+    ):
+        raise SignatureError(
+            "artifact",
+            f"output {value.name!r} is a sequence Switchyard cannot serve: only a ZipMap's "
+            "maps of class label to probability are read (or convert with zipmap=False)",
+        )
+    classes = labels[value.name]
+    return {
+        "name": value.name,
+        "datatype": "FP32",
+        "shape": [-1, len(classes)],
+        "parameters": {"labels": classes},
+    }
 
 
 # How long the child process that checks a large ONNX upload may take.
@@ -80,7 +121,7 @@ def read_onnx_signature_from_file(path: str) -> tuple[list[dict], list[dict]]:
 
     return (
         _tensors(decoded(answer["inputs"]), "input"),
-        _tensors(decoded(answer["outputs"]), "output"),
+        _tensors(decoded(answer["outputs"]), "output", answer["labels"]),
     )
 
 
@@ -93,7 +134,8 @@ def read_onnx_signature(data: bytes) -> tuple[list[dict], list[dict]]:
         raise SignatureError("artifact", f"not a valid ONNX model: {exc}") from exc
     initializers = {i.name for i in model.graph.initializer}
     graph_inputs = [i for i in model.graph.input if i.name not in initializers]
-    return _tensors(graph_inputs, "input"), _tensors(model.graph.output, "output")
+    outputs = _tensors(model.graph.output, "output", zipmap_labels(model.graph))
+    return _tensors(graph_inputs, "input"), outputs
 
 
 def normalize_declared(declared: Any, field: str) -> list[dict]:
@@ -119,6 +161,15 @@ def normalize_declared(declared: Any, field: str) -> list[dict]:
             raise SignatureError(f"{where}.shape", "must be a list of integers, -1 for dynamic")
         out.append({"name": name, "datatype": datatype, "shape": shape})
     return out
+
+
+def with_artifact_parameters(declared: list[dict], actual: list[dict]) -> list[dict]:
+    """A declared signature keeps what only the artifact knows (a classifier's labels)."""
+    parameters = {t["name"]: t["parameters"] for t in actual if "parameters" in t}
+    return [
+        {**t, "parameters": parameters[t["name"]]} if t["name"] in parameters else t
+        for t in declared
+    ]
 
 
 def check_declared_matches(declared: list[dict], actual: list[dict], field: str) -> None:

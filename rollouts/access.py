@@ -27,8 +27,10 @@ def plan_for(tenant_id: int, plan_id: int) -> RolloutPlan:
 
 
 def approvals_of(tenant_id: int) -> QuerySet[ApprovalRequest]:
-    return ApprovalRequest.objects.filter(tenant_id=tenant_id).select_related(
-        "model", "plan", "from_version", "to_version"
+    return (
+        ApprovalRequest.objects.filter(tenant_id=tenant_id)
+        .select_related("model", "plan", "from_version", "to_version")
+        .prefetch_related("votes")
     )
 
 

@@ -11,11 +11,12 @@ from django.utils import timezone
 
 from monitoring.alerts import raise_alert
 from monitoring.models import AlertKind
-from platform_site.errors import Conflict
+from platform_site.errors import Conflict, Forbidden
 from registry.models import Model, ModelVersion
 from registry.services import set_alias
 from tenants.audit import Actor, audit
 
+from . import policy as rollout_policy
 from .models import (
     OPEN_REQUEST_STATES,
     ApprovalRequest,
@@ -30,6 +31,9 @@ GUARDRAIL_KEYS = {"max_error_rate_increase", "max_p99_ratio", "min_samples"}
 # Optional: the candidate's drift PSI past which it is rolled back; absent means the model's
 # drift_threshold, null turns the drift check off.
 OPTIONAL_GUARDRAIL_KEYS = {"max_drift_psi", "max_quality_drop"}
+# Optional statistics settings (rollouts.guardrails): the tests' false-alarm rate, the early
+# abort's margin, the stall alert's bound, an A/B plan's sample cap.
+OPTIONAL_GUARDRAIL_KEYS |= {"alpha", "early_abort_margin", "stall_hours", "ab_max_samples"}
 
 
 def _positive(value: Any) -> bool:
@@ -53,6 +57,8 @@ def check_guardrails(guardrails: Any) -> dict:
         value = guardrails.get(key)
         if value is not None and not _positive(value):
             raise ValidationError({"guardrails": f"{key} must be a positive number or null"})
+    if guardrails.get("alpha") is not None and not guardrails["alpha"] < 0.5:
+        raise ValidationError({"guardrails": "alpha must be below 0.5 (e.g. 0.01)"})
     return guardrails
 
 
@@ -68,8 +74,19 @@ def start_plan(
     arms: list[tuple[str, ModelVersion, float]] | None = None,
     **options: Any,
 ) -> RolloutPlan:
-    """Start a plan from the version the alias points at now (the baseline)."""
+    """Start a plan from the version the alias points at now (the baseline), within the
+    rollout policy: its required guardrails, no candidate weight or A/B arm above what it
+    allows without approval (``approvals.start_plan`` asks for more), the plan's own
+    ``max_weight`` capped by it, and no start during a release freeze."""
     check_guardrails(guardrails)
+    policy = rollout_policy.policy_for(model)
+    rollout_policy.check_required_guardrails(policy, guardrails)
+    limit = rollout_policy.weight_limit(policy, alias, mode)
+    if mode == PlanMode.CANARY and weight > limit:
+        raise ValidationError(
+            {"weight": f"above the rollout policy's {limit:g} % without approval"}
+        )
+    options["max_weight"] = min(options.get("max_weight", limit), limit)
     current = model.aliases.select_related("version").filter(name=alias).first()
     if current is None:
         raise ValidationError({"alias": f"model {model.name!r} has no {alias!r} alias to move"})
@@ -79,6 +96,9 @@ def start_plan(
         raise ValidationError({"candidate": "its input signature differs from the baseline's"})
     if mode == PlanMode.AB and not arms:
         raise ValidationError({"arms": "an A/B plan needs arms"})
+    if mode == PlanMode.AB:
+        check_arms_within(arms or [], current.version_id, limit)
+    rollout_policy.check_freeze(model, "starting a rollout")
     plan = RolloutPlan(
         model=model,
         alias=alias,
@@ -100,6 +120,52 @@ def start_plan(
     except IntegrityError:
         raise ValidationError({"alias": "this alias already has an active rollout plan"}) from None
     return plan
+
+
+def check_arms_within(
+    arms: list[tuple[str, ModelVersion, float]], baseline_id: int, limit: float
+) -> None:
+    """An A/B arm serving another version than the baseline's carries at most the policy's
+    weight without approval: a 90 % arm is a 90 % canary under another name."""
+    for name, version, share in arms:
+        if version.pk != baseline_id and share > limit:
+            raise Forbidden(
+                f"rollout policy: arm {name!r} (v{version.version}) at {share:g} % is above the "
+                f"{limit:g} % an arm other than the baseline's may carry without approval; "
+                "start within it, then ask for the weights (POST /api/v1/rollouts/{id}/arms)"
+            )
+
+
+def set_arm_weights(
+    plan: RolloutPlan, weights: dict[str, float], actor: Actor, reason: str = ""
+) -> RolloutPlan:
+    """Give an A/B plan's arms new weights (every arm named); takes effect within a second."""
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if locked.mode != PlanMode.AB:
+            raise ValidationError({"arms": "only A/B plans have arms"})
+        if not locked.is_active:
+            raise Conflict(f"the plan is {locked.state}")
+        arms = {a.name: a for a in locked.arms.select_for_update()}
+        check_arm_weights(set(arms), weights)
+        before = {**_state(locked), "arms": {n: a.weight for n, a in arms.items()}}
+        for name, arm in arms.items():
+            arm.weight = float(weights[name])
+            arm.save(update_fields=["weight"])
+        locked.step_started_at = timezone.now()
+        locked.status_note = reason
+        locked.save(update_fields=["step_started_at", "status_note", "updated_at"])
+        after = {**_state(locked), "arms": {n: float(w) for n, w in weights.items()}}
+        audit(locked.model.tenant_id, actor, "plan.arms", str(locked), before, after, reason)
+    return locked
+
+
+def check_arm_weights(names: set[str], weights: Any) -> None:
+    if not isinstance(weights, dict) or set(weights) != names:
+        raise ValidationError({"arms": f"give a weight for each arm: {sorted(names)}"})
+    for name, share in weights.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 100:
+            raise ValidationError({"arms": f"arm {name!r}: a percent from 0 to 100"})
 
 
 def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "") -> RolloutPlan:

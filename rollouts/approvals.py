@@ -1,12 +1,19 @@
 """Approvals: changes that need a second person, decided under row locks with the evidence
-frozen at the decision.
+frozen at the decision. What needs one is the rollout policy's to say (``rollouts.policy``).
 
-- Moving a protected alias (``production``) that already points somewhere is a promotion
-  request; so is a plan reaching its last step healthy. A plan's promotion may be approved
-  at any time: the guardrails promote it once its last step is healthy past its bake time.
-- A person setting a canary weight above the plan's ``max_weight`` makes a weight request.
+- Moving a protected alias (the policy's ``protected_aliases``, default ``production``) that
+  already points somewhere is a promotion request; so is a plan reaching its last step
+  healthy. A plan's promotion may be approved at any time: the guardrails promote it once its
+  last step is healthy past its bake time.
+- A canary weight above what the policy allows without approval (or the plan's lower
+  ``max_weight``) is a weight request, whoever asks: a person starting a plan or setting a
+  weight, or the guardrails about to advance to such a step. A/B arm weights changed after
+  the start are an arms request.
 
-Only a member with the approver role who is not the requester decides. Every transition locks
+A request needs the policy's N distinct approvers (``ApprovalVote`` rows), none of them its
+requester, compared by user id: a key's requests are its creator's, and a key with no creator
+cannot ask. Decisions are a person's: never made with an API key. One rejection ends a request.
+Every transition locks
 the plan, then the alias, then the request (one order everywhere, so no deadlocks), so two
 approvals racing each other or a rollback end in exactly one transition; the loser gets
 ``Conflict`` (409).
@@ -15,6 +22,7 @@ approvals racing each other or a rollback end in exactly one transition; the los
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -34,15 +42,16 @@ from .arms import metrics_diff, plan_arm_metrics
 from .models import (
     ACTIVE_STATES,
     ApprovalRequest,
+    ApprovalVote,
     PlanMode,
     PlanState,
     RequestKind,
     RequestState,
     RolloutPlan,
 )
+from .policy import check_freeze, freeze_reason, is_protected, policy_for, weight_limit
 from .shadow import shadow_summary
 
-PROTECTED_ALIASES = ("production",)
 GUARDRAILS = Actor(None, "guardrails")
 # Without a plan, a promotion's evidence is each version's live traffic over this window.
 DIRECT_WINDOW = timedelta(hours=1)
@@ -51,7 +60,78 @@ DIRECT_WINDOW = timedelta(hours=1)
 def needs_approval(model: Model, alias: str) -> bool:
     """Moving a protected alias needs approval, except its very first pointer (nothing to
     protect yet, and how a new model gets its first version into service)."""
-    return alias in PROTECTED_ALIASES and model.aliases.filter(name=alias).exists()
+    return is_protected(policy_for(model), alias) and model.aliases.filter(name=alias).exists()
+
+
+def plan_weight_limit(plan: RolloutPlan) -> float:
+    """The largest weight the plan may carry without approval now: the lower of its own
+    ``max_weight`` and the policy's (which an approver may have tightened since)."""
+    return min(plan.max_weight, weight_limit(policy_for(plan.model), plan.alias, plan.mode))
+
+
+def start_plan(
+    model: Model,
+    mode: str,
+    candidate: ModelVersion,
+    guardrails: Any,
+    actor: Actor,
+    *,
+    alias: str = "production",
+    weight: float = 0.0,
+    arms: list[tuple[str, ModelVersion, float]] | None = None,
+    **options: Any,
+) -> tuple[RolloutPlan, ApprovalRequest | None]:
+    """A plan as a person starts it: a canary asked above the policy's limit starts AT the
+    limit and the weight asked for becomes a weight request, so an unreviewed candidate never
+    carries more than the policy allows. Returns the plan and that request (or None)."""
+    limit = weight_limit(policy_for(model), alias, mode)
+    above = mode == PlanMode.CANARY and weight > limit
+    if above:
+        check_requester(actor)  # before anything starts: a key with no owner cannot ask
+    plan = actions.start_plan(
+        model,
+        mode,
+        candidate,
+        guardrails,
+        actor,
+        alias=alias,
+        weight=min(weight, limit) if mode == PlanMode.CANARY else weight,
+        arms=arms,
+        **options,
+    )
+    if not above:
+        return plan, None
+    reason = f"asked for {weight:g} % at the start; the policy allows {limit:g} % without approval"
+    return plan, _open_request(model, alias, RequestKind.WEIGHT, actor, reason, plan, weight)
+
+
+def advance_or_ask(plan: RolloutPlan, step: float, reason: str) -> tuple[str, str]:
+    """The guardrails found the current step healthy past its bake time: advance to ``step``
+    if the policy allows it (or an approver already approved the plan's promotion, which
+    covers every weight up to 100 %), else open a weight request (once) and hold. Held during
+    a release freeze. Returns the verdict (action, reason)."""
+    frozen = freeze_reason(plan.model)
+    if frozen is not None:
+        RolloutPlan.objects.filter(pk=plan.pk).update(status_note=frozen[:300])
+        return "hold", frozen
+    promotion_approved = plan.requests.filter(
+        kind=RequestKind.PROMOTION, state=RequestState.APPROVED
+    ).exists()
+    if step <= plan_weight_limit(plan) or promotion_approved:
+        actions.set_weight(plan, step, GUARDRAILS, reason)
+        return "advance", reason
+    req = plan.requests.filter(kind=RequestKind.WEIGHT, state=RequestState.PENDING).first()
+    if req is None:
+        asked = f"{reason}: the policy allows {plan_weight_limit(plan):g} % without approval"
+        req = _open_request(
+            plan.model, plan.alias, RequestKind.WEIGHT, GUARDRAILS, asked, plan, step
+        )
+    note = (
+        f"healthy at {plan.weight:g} %: waiting for approval to go to {req.weight:g} % "
+        f"(request #{req.pk})"
+    )
+    RolloutPlan.objects.filter(pk=plan.pk).update(status_note=note)
+    return "hold", note
 
 
 def move_alias(
@@ -66,14 +146,33 @@ def move_alias(
 def change_weight(
     plan: RolloutPlan, weight: float, actor: Actor, reason: str = ""
 ) -> RolloutPlan | ApprovalRequest:
-    """A canary weight as a person sets it: direct within the plan's bounds, else a request."""
+    """A canary weight as a person sets it: direct within the policy's and the plan's bounds,
+    else a request. Raising it is refused during a release freeze; lowering never is."""
     if plan.mode != PlanMode.CANARY:
         raise ValidationError({"weight": "only canary plans have a single weight"})
-    if weight > plan.max_weight:
+    if weight > plan.weight:
+        check_freeze(plan.model, "raising a canary's weight")
+    if weight > plan_weight_limit(plan):
         return _open_request(
             plan.model, plan.alias, RequestKind.WEIGHT, actor, reason, plan, weight
         )
     return actions.set_weight(plan, weight, actor, reason)
+
+
+def change_arms(
+    plan: RolloutPlan, weights: dict[str, float], actor: Actor, reason: str = ""
+) -> RolloutPlan | ApprovalRequest:
+    """A/B arm weights as a person sets them: on a protected alias every change is an arms
+    request (an approver looks at the new split); elsewhere applied directly."""
+    if plan.mode != PlanMode.AB:
+        raise ValidationError({"arms": "only A/B plans have arms"})
+    actions.check_arm_weights({a.name for a in plan.arms.all()}, weights)
+    check_freeze(plan.model, "changing A/B arm weights")
+    if is_protected(policy_for(plan.model), plan.alias):
+        return _open_request(
+            plan.model, plan.alias, RequestKind.ARMS, actor, reason, plan, None, arms=weights
+        )
+    return actions.set_arm_weights(plan, weights, actor, reason)
 
 
 def request_promotion(
@@ -86,6 +185,7 @@ def request_promotion(
     plan: RolloutPlan | None = None,
 ) -> ApprovalRequest:
     """Ask to point ``alias`` at ``version`` (or at ``plan``'s candidate)."""
+    check_freeze(model, "promoting")
     if plan is None:
         active = model.plans.filter(alias=alias, state__in=ACTIVE_STATES).first()
         if active is not None:
@@ -105,7 +205,9 @@ def _open_request(
     plan: RolloutPlan | None,
     weight: float | None,
     version: ModelVersion | None = None,
+    arms: dict[str, float] | None = None,
 ) -> ApprovalRequest:
+    check_requester(actor)
     if plan is not None:
         if not plan.is_active:
             raise Conflict(f"the plan is {plan.state}")
@@ -124,6 +226,8 @@ def _open_request(
         from_version_id=current,
         to_version=version,
         weight=weight,
+        arm_weights=arms,
+        approvals_needed=policy_for(model).approvals_needed,
         requested_by_id=actor.user_id,
         requested_label=actor.label,
         comment=comment,
@@ -144,6 +248,17 @@ def _open_request(
     return req
 
 
+def check_requester(actor: Actor) -> None:
+    """A request needs someone to hold to the four-eyes rule: a person, a key with the person
+    who created it (its user id), or the platform itself (the guardrails). A key without an
+    owner could be any approver's: its requests are refused."""
+    if actor.via_key is not None and actor.user_id is None:
+        raise Forbidden(
+            "this key has no owner: a request needs a person behind it (use a key created by "
+            "a member, or sign in)"
+        )
+
+
 def approve(req: ApprovalRequest, actor: Actor, comment: str = "") -> ApprovalRequest:
     return _decide(req, actor, comment, approved=True)
 
@@ -153,6 +268,8 @@ def reject(req: ApprovalRequest, actor: Actor, comment: str = "") -> ApprovalReq
 
 
 def _decide(req: ApprovalRequest, actor: Actor, comment: str, approved: bool) -> ApprovalRequest:
+    if actor.via_key is not None:
+        raise Forbidden("decide as a person in the web UI or with a session, not with an API key")
     if actor.role != Role.APPROVER or actor.user_id is None:
         raise Forbidden("only a member with the approver role can decide a request")
     if actor.user_id == req.requested_by_id:
@@ -166,14 +283,38 @@ def _decide(req: ApprovalRequest, actor: Actor, comment: str, approved: bool) ->
         locked = ApprovalRequest.objects.select_for_update().get(pk=req.pk)
         if locked.state != RequestState.PENDING:
             raise Conflict(f"request #{locked.pk} is already {locked.state}")
+        if locked.votes.filter(user_id=actor.user_id).exists():
+            raise Conflict(f"you already voted on request #{locked.pk}: another approver must")
         before = locked.snapshot()
+        if approved:
+            _check_still_holds(locked, plan, current)
+        ApprovalVote.objects.create(
+            request=locked,
+            user_id=actor.user_id,
+            label=actor.label,
+            approved=approved,
+            comment=comment,
+        )
+        yeses = locked.votes.filter(approved=True).count()
+        if approved and yeses < locked.approvals_needed:
+            # Not yet N of M: recorded and audited, the request stays pending.
+            progress = {"approvals": yeses, "approvals_needed": locked.approvals_needed}
+            audit(
+                locked.tenant_id,
+                actor,
+                "approval.vote",
+                str(locked),
+                before,
+                locked.snapshot() | progress,
+                comment,
+            )
+            return locked
         locked.evidence = evidence_now(locked)  # frozen with the decision
         locked.decided_by_id = actor.user_id
         locked.decided_label = actor.label
         locked.decision_comment = comment
         locked.decided_at = timezone.now()
         if approved:
-            _check_still_holds(locked, plan, current)
             locked.state = _carry_out(locked, plan, actor, comment)
         else:
             locked.state = RequestState.REJECTED
@@ -197,12 +338,20 @@ def _check_still_holds(req: ApprovalRequest, plan: RolloutPlan | None, current: 
 
 def _carry_out(req: ApprovalRequest, plan: RolloutPlan | None, actor: Actor, comment: str) -> str:
     reason = f"approved request #{req.pk}" + (f": {comment}" if comment else "")
+    if req.kind == RequestKind.ARMS:
+        assert plan is not None and req.arm_weights is not None  # change_arms() opens these
+        check_freeze(req.model, "changing A/B arm weights")
+        actions.set_arm_weights(plan, req.arm_weights, actor, reason)
+        return RequestState.APPLIED
     if req.kind == RequestKind.WEIGHT:
         # change_weight() opens weight requests only on a plan, with the weight asked for.
         assert plan is not None and req.weight is not None
+        if req.weight > plan.weight:
+            check_freeze(req.model, "raising a canary's weight")
         actions.set_weight(plan, req.weight, actor, reason)
         return RequestState.APPLIED
     if plan is None:
+        check_freeze(req.model, "promoting")
         set_alias(req.model, req.alias, req.to_version, actor, reason)
         return RequestState.APPLIED
     # A plan's promotion is the guardrails' to carry out: once its last step is healthy past
@@ -222,6 +371,10 @@ def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
             .filter(plan=locked, kind=RequestKind.PROMOTION, state__in=["pending", "approved"])
             .first()
         )
+        frozen = freeze_reason(locked.model)
+        if frozen is not None:
+            RolloutPlan.objects.filter(pk=locked.pk).update(status_note=frozen[:300])
+            return False, frozen
         if req is not None and req.state == RequestState.APPROVED:
             if req.to_version_id != locked.candidate_id:
                 raise Conflict("the plan's candidate changed: the approval no longer holds")

@@ -1,16 +1,26 @@
 """A rollout plan's arms and each arm's traffic numbers (``monitoring.traffic``): what the
-guardrails, approval evidence, the API and the web UI's live charts compare.
+guardrails, approval evidence, the API and the web UI's live charts compare; and the two
+changes the guardrails make to an A/B plan's arms (drop one, declare the winner).
 
-Samples are counted per version, so an arm's numbers are its version's numbers.
+A canary's arms are distinct versions and are read per version (so requests that asked for the
+version explicitly count too); an A/B plan's arms are read per (plan, arm), because two arms may
+serve one version. A shadow arm's numbers come from its ``ShadowSample`` rows: shadow copies are
+never counted as the version's traffic.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from monitoring.traffic import arm_stats
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
 
-from .models import RolloutPlan
+from monitoring.traffic import arm_stats
+from platform_site.errors import Conflict
+from tenants.audit import Actor, audit
+
+from .models import PlanArm, PlanMode, RolloutPlan
 from .strategies import STRATEGIES
 
 
@@ -24,13 +34,38 @@ def plan_arms(plan: RolloutPlan) -> list[tuple[str, int, float]]:
     return arms
 
 
+def shadow_stats(plan: RolloutPlan, since: datetime) -> dict:
+    """The shadow copies' outcome as an arm's numbers (no latency is kept for them)."""
+    totals = plan.shadow_samples.filter(window_end__gte=since).aggregate(
+        answered=Sum("answered"), failed=Sum("failed")
+    )
+    failed = totals["failed"] or 0
+    requests = (totals["answered"] or 0) + failed
+    return {
+        "requests": requests,
+        "errors": failed,
+        "error_rate": round(failed / requests, 6) if requests else 0.0,
+        "p50_ms": None,
+        "p95_ms": None,
+        "p99_ms": None,
+    }
+
+
+def arm_numbers(plan: RolloutPlan, name: str, version_id: int, since: datetime) -> dict:
+    if name == "shadow":
+        return shadow_stats(plan, since)
+    if plan.mode == PlanMode.AB:
+        return arm_stats(None, since, plan_arm=(plan.pk, name)).as_dict()
+    return arm_stats(version_id, since).as_dict()
+
+
 def plan_arm_metrics(plan: RolloutPlan, since: datetime | None = None) -> list[dict]:
     """Each arm's numbers since ``since`` (default: since the plan started)."""
     since = since or plan.created_at
     versions = dict(plan.model.versions.values_list("pk", "version"))
     return [
         {"arm": name, "version": versions.get(vid), "weight": weight}
-        | arm_stats(vid, since).as_dict()
+        | arm_numbers(plan, name, vid, since)
         for name, vid, weight in plan_arms(plan)
     ]
 
@@ -47,3 +82,63 @@ def metrics_diff(arms: list[dict]) -> dict | None:
         if base[key] is not None and cand[key] is not None:
             diff[key] = round(cand[key] - base[key], 6)
     return diff
+
+
+# The guardrails' changes to an A/B plan ----------------------------------------------------------
+
+
+def _weights(plan: RolloutPlan) -> dict:
+    return {"arms": {a.name: a.weight for a in plan.arms.all()}, "ab_result": plan.ab_result}
+
+
+def drop_arm(plan: RolloutPlan, arm: PlanArm, actor: Actor, reason: str) -> None:
+    """An arm that breached a guardrail gets no more traffic (weight 0; the gateways follow
+    within a second); the others keep their shares. Audited as ``plan.arm_drop``."""
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if not locked.is_active:
+            raise Conflict(f"the plan is {locked.state}")
+        before = _weights(locked)
+        row = PlanArm.objects.get(pk=arm.pk)
+        row.weight = 0.0
+        row.save(update_fields=["weight"])  # a save, so the gateways' route caches follow
+        locked.status_note = reason
+        locked.save(update_fields=["status_note", "updated_at"])
+        audit(
+            locked.model.tenant_id,
+            actor,
+            "plan.arm_drop",
+            str(locked),
+            before,
+            _weights(locked),
+            reason,
+        )
+
+
+def declare_ab_result(
+    plan: RolloutPlan, actor: Actor, winner: str | None, metric: str, reason: str
+) -> None:
+    """Record an A/B plan's outcome once (``winner`` None: no difference at the sample cap).
+    Audited as ``plan.ab_winner``; traffic does not move (promotion stays a person's act)."""
+    with transaction.atomic():
+        locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
+        if not locked.is_active or locked.ab_result is not None:
+            return  # ended, or decided by another worker's look
+        before = _weights(locked)
+        locked.ab_result = {
+            "winner": winner,
+            "metric": metric,
+            "reason": reason,
+            "at": timezone.now().isoformat(),
+        }
+        locked.status_note = reason
+        locked.save(update_fields=["ab_result", "status_note", "updated_at"])
+        audit(
+            locked.model.tenant_id,
+            actor,
+            "plan.ab_winner",
+            str(locked),
+            before,
+            _weights(locked),
+            reason,
+        )

@@ -65,6 +65,9 @@ class RolloutPlan(models.Model):
     step_started_at = models.DateTimeField(default=timezone.now)
     # The guardrails' last word, shown in the UI and API ("waiting for data: 12/200 samples").
     status_note = models.CharField(max_length=300, blank=True)
+    # An A/B plan's outcome once the guardrails decide it: {"winner": arm name or null for "no
+    # difference", "metric", "reason", "at"}; null while undecided (rollouts.guardrails).
+    ab_result = models.JSONField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
@@ -116,6 +119,7 @@ class PlanArm(models.Model):
 class RequestKind(models.TextChoices):
     PROMOTION = "promotion", "Promotion"
     WEIGHT = "weight", "Weight change"
+    ARMS = "arms", "A/B arm weights"
 
 
 class RequestState(models.TextChoices):
@@ -159,6 +163,11 @@ class ApprovalRequest(models.Model):
     weight = models.FloatField(
         null=True, blank=True, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
     )
+    # An arms request: the A/B arms' new weights, {arm name: percent}.
+    arm_weights = models.JSONField(null=True, blank=True)
+    # Distinct approvers the request needs: the policy's N when the request was opened (a
+    # policy changed later does not move the goalposts of a request already under review).
+    approvals_needed = models.PositiveSmallIntegerField(default=1)
     requested_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -185,12 +194,18 @@ class ApprovalRequest(models.Model):
         ]
 
     def __str__(self) -> str:
-        change = (
-            f"{self.weight:g}%"
-            if self.kind == RequestKind.WEIGHT
-            else f"v{self.to_version.version}"
-        )
+        if self.kind == RequestKind.WEIGHT:
+            change = f"{self.weight:g}%"
+        elif self.kind == RequestKind.ARMS:
+            change = ", ".join(f"{k} {v:g}%" for k, v in (self.arm_weights or {}).items())
+        else:
+            change = f"v{self.to_version.version}"
         return f"#{self.pk} {self.kind} {self.model}@{self.alias} → {change} ({self.state})"
+
+    @property
+    def approvals_given(self) -> int:
+        """Approvers who said yes so far (of ``approvals_needed``)."""
+        return sum(1 for vote in self.votes.all() if vote.approved)
 
     def snapshot(self) -> dict:
         """The request as an audit event's before/after records it."""
@@ -200,8 +215,113 @@ class ApprovalRequest(models.Model):
             "from_version": self.from_version.version if self.from_version else None,
             "to_version": self.to_version.version,
             "weight": self.weight,
+            "arm_weights": self.arm_weights,
             "plan": self.plan_id,
+            "approvals_needed": self.approvals_needed,
         }
+
+
+class ApprovalVote(models.Model):
+    """One approver's yes (or no) on a request: a request needs ``approvals_needed`` distinct
+    yeses, none from its requester; one no ends it."""
+
+    request = models.ForeignKey(ApprovalRequest, on_delete=models.CASCADE, related_name="votes")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    label = models.CharField(max_length=150)
+    approved = models.BooleanField()
+    comment = models.TextField(blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["request", "at", "pk"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["request", "user"],
+                name="one_vote_per_approver_and_request",
+                violation_error_message="This approver has already voted on this request.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.request_id}: {self.label} {'yes' if self.approved else 'no'}"
+
+
+def default_protected_aliases() -> list[str]:
+    return ["production"]
+
+
+class RolloutPolicy(models.Model):
+    """What a tenant (``model`` null) or one of its models allows without an approval: the
+    largest candidate weight on a protected alias, the guardrails every plan must set beyond
+    the three always required, and how many approvers a request needs. Set by an approver."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey(
+        "registry.Model", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    max_weight_without_approval = models.FloatField(
+        default=10.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
+    )
+    required_guardrails = models.JSONField(default=list, blank=True)
+    approvals_needed = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(10)]
+    )
+    protected_aliases = models.JSONField(default=default_protected_aliases)
+    updated_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant"],
+                condition=Q(model__isnull=True),
+                name="one_default_policy_per_tenant",
+                violation_error_message="This tenant already has a default rollout policy.",
+            ),
+            models.UniqueConstraint(
+                fields=["model"],
+                condition=Q(model__isnull=False),
+                name="one_policy_per_model",
+                violation_error_message="This model already has a rollout policy.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        scope = self.model.name if self.model is not None else "tenant default"
+        return f"policy ({scope}): {self.max_weight_without_approval:g}% without approval"
+
+    def snapshot(self) -> dict:
+        """The policy as an audit event's before/after records it."""
+        return {
+            "max_weight_without_approval": self.max_weight_without_approval,
+            "required_guardrails": list(self.required_guardrails),
+            "approvals_needed": self.approvals_needed,
+            "protected_aliases": list(self.protected_aliases),
+        }
+
+
+class FreezeOverride(models.Model):
+    """An approver lets releases of a model go on while its error budget is spent, until
+    ``expires_at``."""
+
+    model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="+")
+    reason = models.TextField()
+    expires_at = models.DateTimeField()
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_label = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-expires_at"]
+
+    def __str__(self) -> str:
+        return f"freeze override on {self.model_id} until {self.expires_at:%Y-%m-%d %H:%M} UTC"
 
 
 class ShadowSample(models.Model):

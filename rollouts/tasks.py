@@ -14,9 +14,10 @@ log = logging.getLogger(__name__)
 
 @shared_task
 def evaluate_rollouts() -> dict[int, str]:
-    """Judge every running canary plan once; returns plan id -> action taken."""
+    """Judge every running canary and A/B plan once; returns plan id -> action taken."""
     done = {}
-    for plan in RolloutPlan.objects.filter(state=PlanState.RUNNING, mode=PlanMode.CANARY):
+    judged = (PlanMode.CANARY, PlanMode.AB)
+    for plan in RolloutPlan.objects.filter(state=PlanState.RUNNING, mode__in=judged):
         try:
             verdict = evaluate(plan)
         except Conflict as lost:

@@ -36,6 +36,8 @@ cat <<MSG
   API docs:   http://127.0.0.1:${PORT}/api/docs/
   Demo key:   $(get api_key)
   Try:        curl -s -H "Authorization: Bearer $(get api_key)" http://127.0.0.1:${PORT}/v2/models/fraud-detector
+  Embeddings: curl -s -H "Authorization: Bearer $(get api_key)" -H "Content-Type: application/json" \
+                -d '{"model": "minilm", "input": "hello"}' http://127.0.0.1:${PORT}/v1/embeddings
   gRPC:       ${SWITCHYARD_GRPC_HOST}:${SWITCHYARD_GRPC_PORT}   (OIP v2: tritonclient.grpc, KServe clients)
 
 MSG

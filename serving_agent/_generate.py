@@ -3,7 +3,8 @@
 One ``Engine`` per loaded version. Its scheduler task loops while streams are live; each turn is
 one step on a worker thread: drop cancelled streams, admit new ones (prefill their prompts into
 free cache rows), then ONE decode forward for every active stream, sample a token per stream and
-turn it into ``TokenChunk``/``GenerateDone`` frames. A stream that arrives mid-generation joins
+turn it into text. The step's text goes to each connection as one ``TokenBatch`` frame (then any
+``GenerateDone`` frames), in one message. A stream that arrives mid-generation joins
 at the next step; a finished one leaves its row at once. Streams of different lengths share the
 step through per-row positions and an attention mask (``TextGenModel.forward``).
 """
@@ -14,20 +15,23 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ._exceptions import BadInput, NotLoaded, Overloaded
 from ._generation_stats import GenerationStats
 from .protocol import (
+    ChatTurn,
     FinishReason,
     GenerateDone,
     GenerateRequest,
     GenerationLimits,
+    TokenBatch,
     TokenChunk,
     VersionSpec,
     encode_frame,
@@ -52,6 +56,94 @@ MAX_STOP_CHARS = 256
 # Sends one step's frames to the connection a stream came from. The agent drops them if that
 # connection is gone, so a stream never answers on a later connection.
 SendFrames = Callable[[list[bytes]], Awaitable[None]]
+# What a step produces for one stream: new text (sent in the step's ``TokenBatch``) or a frame.
+Out = list[tuple["Stream", TokenChunk | bytes]]
+
+
+class Detok(Protocol):
+    """Turns a stream's tokens into text as they come, holding back incomplete characters."""
+
+    def push(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Cache(Protocol):
+    """A decoder's KV cache: ``rows`` streams, each in its own row."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def grow(self, rows: int) -> None: ...
+
+    def move(self, src: int, dst: int, length: int) -> None: ...
+
+
+class Decoder(Protocol):
+    """What the engine needs of a model and its tokenizer (``ByteDecoder`` for textgen,
+    ``serving_agent._hf.HFDecoder`` for Hugging Face models)."""
+
+    context: int  # positions a stream may reach: prompt plus output
+    device: torch.device
+    eos: frozenset[int]  # tokens that end a stream (not part of its text)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def start_tokens(self) -> list[int]:
+        """What an empty prompt is fed as."""
+        ...
+
+    def detokenizer(self) -> Detok: ...
+
+    def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
+        """The prompt for a chat, by the model's chat template."""
+        ...
+
+    def new_cache(self, rows: int) -> Cache: ...
+
+    def __call__(
+        self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache, row: int = 0
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` in cache rows ``row``.., each row's
+        tokens at positions ``start[b]``.. (``TextGenModel.forward``'s contract)."""
+        ...
+
+
+def plain_chat_prompt(messages: Sequence[ChatTurn]) -> str:
+    """The chat format of a model without a template: one "role: content" line per message,
+    then the assistant's turn."""
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+
+
+class ByteDecoder:
+    """The byte-level ``textgen`` model as a ``Decoder``."""
+
+    def __init__(self, model: TextGenModel) -> None:
+        self.model = model
+        self.context = model.config.context
+        self.device = model.device
+        self.eos: frozenset[int] = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
+
+    def start_tokens(self) -> list[int]:
+        return [NEWLINE]
+
+    def detokenizer(self) -> Detok:
+        return Detokenizer()
+
+    def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
+        return encode(plain_chat_prompt(messages))
+
+    def new_cache(self, rows: int) -> KVCache:
+        return KVCache(self.model.config, rows, self.device)
+
+    def __call__(
+        self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache, row: int = 0
+    ) -> torch.Tensor:
+        assert isinstance(cache, KVCache)
+        return self.model(tokens, start, cache, row)
 
 
 @dataclass(eq=False)
@@ -63,7 +155,7 @@ class Stream:
     send: SendFrames
     received: float
     generator: torch.Generator | None  # None: greedy
-    detok: Detokenizer = field(default_factory=Detokenizer)
+    detok: Detok = field(default_factory=Detokenizer)
     row: int = -1  # cache row while active
     pos: int = 0  # position of ``pending``, the token the next step feeds
     pending: int = 0
@@ -98,7 +190,7 @@ def held_back(text: str, stops: list[str]) -> int:
 
 
 class Engine:
-    """Decodes every stream of one textgen version together, one token per stream per step.
+    """Decodes every stream of one generative version together, one token per stream per step.
 
     The event loop owns admission (``submit``, ``cancel``) and sending; the worker thread owns
     the model, the KV cache and the active batch. They meet only between steps.
@@ -106,18 +198,19 @@ class Engine:
 
     def __init__(
         self,
-        model: TextGenModel,
+        model: TextGenModel | Decoder,
         limits: GenerationLimits | None = None,
         *,
         provider: str = "torch-cpu",
         threads: int = 1,
     ) -> None:
-        self.model = model
+        # The byte model is wrapped; a Hugging Face model comes as its adapter.
+        self.model: Decoder = ByteDecoder(model) if isinstance(model, TextGenModel) else model
         self.limits = limits or GenerationLimits()
         self.provider = provider
         self.stats = GenerationStats()
         # Rows grow (doubling) with the streams actually admitted, never past max_streams.
-        self.cache = KVCache(model.config, min(4, self.limits.max_streams), model.device)
+        self.cache = self.model.new_cache(min(4, self.limits.max_streams))
         self._active: list[Stream] = []  # worker-owned: row i of the cache is _active[i]
         self._live: dict[int, Stream] = {}  # loop-owned: every stream not yet finished
         self._waiting: list[Stream] = []  # loop-owned: arrived since the last step
@@ -147,8 +240,11 @@ class Engine:
         """Queue a stream for the next step, or raise the error its request gets."""
         if self._stopped:
             raise NotLoaded("version unloaded")
-        limits, context = self.limits, self.model.config.context
-        prompt = encode(request.prompt)
+        limits, context = self.limits, self.model.context
+        if request.messages:
+            prompt = self.model.encode_chat(request.messages)
+        else:
+            prompt = self.model.encode(request.prompt)
         max_input = min(limits.max_input_tokens, context)
         if len(prompt) > max_input:
             raise BadInput(
@@ -174,10 +270,11 @@ class Engine:
                 generator.manual_seed(request.seed)
         stream = Stream(
             request=request,
-            prompt=prompt or [NEWLINE],
+            prompt=prompt or self.model.start_tokens(),
             send=send,
             received=time.perf_counter() if received is None else received,
             generator=generator,
+            detok=self.model.detokenizer(),
         )
         self._live[request.id] = stream
         self._waiting.append(stream)
@@ -215,7 +312,7 @@ class Engine:
         for stream in stranded:
             await stream.send([error_frame(stream.id, "not_loaded", "version unloaded")])
         self._executor.shutdown(wait=False)
-        self.cache = KVCache(self.model.config, 0)  # give the memory back now
+        self.cache = self.model.new_cache(0)  # give the memory back now
 
     async def _run(self) -> None:
         while not self._stopped:
@@ -239,18 +336,15 @@ class Engine:
         for stream in finished:
             if self._live.get(stream.id) is stream:
                 del self._live[stream.id]
-        by_sender: dict[SendFrames, list[bytes]] = {}
-        for stream, frame in out:
-            by_sender.setdefault(stream.send, []).append(frame)
-        for send, frames in by_sender.items():
+        for send, frames in frames_by_sender(out).items():
             try:
                 await send(frames)
             except Exception:  # noqa: BLE001 - one broken connection must not stop the others
                 logger.exception("sending generation frames failed")
 
-    def _fail_all(self, admit: list[Stream], exc: Exception) -> list[tuple[Stream, bytes]]:
+    def _fail_all(self, admit: list[Stream], exc: Exception) -> Out:
         message = f"generation failed: {exc}"
-        out = []
+        out: Out = []
         for stream in [*admit, *self._active]:
             if stream.finish is None:
                 stream.finish = "cancelled"  # ended: a late cancel must not send a done frame
@@ -260,10 +354,8 @@ class Engine:
     # Worker side -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _step(
-        self, admit: list[Stream], cancel: set[Stream]
-    ) -> tuple[list[tuple[Stream, bytes]], list[Stream]]:
-        out: list[tuple[Stream, bytes]] = []
+    def _step(self, admit: list[Stream], cancel: set[Stream]) -> tuple[Out, list[Stream]]:
+        out: Out = []
         finished: list[Stream] = []
         for stream in cancel:
             if stream.finish is None:  # it may have finished on its own meanwhile
@@ -292,7 +384,7 @@ class Engine:
             self.model(torch.tensor([prompt[:-1]]), torch.tensor([0]), self.cache, stream.row)
         stream.pending, stream.pos = prompt[-1], len(prompt) - 1
 
-    def _decode(self, out: list[tuple[Stream, bytes]]) -> None:
+    def _decode(self, out: Out) -> None:
         batch = self._active
         tokens = torch.tensor([[s.pending] for s in batch])
         start = torch.tensor([s.pos for s in batch])
@@ -306,12 +398,12 @@ class Engine:
             if request.temperature == 0:
                 token = greedy[i]
             else:
-                token = sample(logits[i], request.temperature, request.top_p, stream.generator)
+                token = sample(
+                    logits[i], request.temperature, request.top_p, stream.generator, request.top_k
+                )
             self._append(stream, token, now, out)
 
-    def _append(
-        self, stream: Stream, token: int, now: float, out: list[tuple[Stream, bytes]]
-    ) -> None:
+    def _append(self, stream: Stream, token: int, now: float, out: Out) -> None:
         """Add one sampled token; send what text is safe to send; finish the stream if done."""
         self.stats.tokens_generated_total += 1
         stream.output_tokens += 1
@@ -320,6 +412,10 @@ class Engine:
             stream.first_token_at = now
         stream.last_token_at = now
         stream.pending, stream.pos = token, stream.pos + 1
+        if token in self.model.eos:  # the model ended its answer; the token is not text
+            self._send_text(stream, len(stream.text), out)
+            self._finish(stream, "stop", out)
+            return
         searched = len(stream.text)
         stream.text += stream.detok.push(token)
         stops = [s for s in stream.request.stop if s]
@@ -330,24 +426,22 @@ class Engine:
             self._finish(stream, "stop", out)
         elif (
             stream.output_tokens >= stream.request.max_new_tokens
-            or stream.pos >= self.model.config.context
+            or stream.pos >= self.model.context
         ):
             self._send_text(stream, len(stream.text), out)
             self._finish(stream, "length", out)
         else:
             self._send_text(stream, len(stream.text) - held_back(stream.text, stops), out)
 
-    def _send_text(self, stream: Stream, upto: int, out: list[tuple[Stream, bytes]]) -> None:
+    def _send_text(self, stream: Stream, upto: int, out: Out) -> None:
         if upto > stream.sent:
             chunk = TokenChunk(
                 id=stream.id, text=stream.text[stream.sent : upto], tokens=stream.unsent_tokens
             )
-            out.append((stream, encode_frame(chunk)))
+            out.append((stream, chunk))
             stream.sent, stream.unsent_tokens = upto, 0
 
-    def _finish(
-        self, stream: Stream, reason: FinishReason, out: list[tuple[Stream, bytes]]
-    ) -> None:
+    def _finish(self, stream: Stream, reason: FinishReason, out: Out) -> None:
         stream.finish = reason
         stream.detok.flush()
         if reason == "cancelled":
@@ -356,7 +450,7 @@ class Engine:
         done = GenerateDone(
             id=stream.id,
             finish_reason=reason,
-            input_tokens=len(stream.request.prompt.encode("utf-8")),
+            input_tokens=len(stream.prompt),
             output_tokens=stream.output_tokens,
             ttft_ms=0.0 if first is None else (first - stream.received) * 1000,
             decode_ms=0.0 if first is None else (stream.last_token_at - first) * 1000,
@@ -373,6 +467,22 @@ class Engine:
                 self._active[stream.row], last.row = last, stream.row
             self._active.pop()
             stream.row = -1
+
+
+def frames_by_sender(out: Out) -> dict[SendFrames, list[bytes]]:
+    """One step's output as the frames for each connection: first one ``TokenBatch`` with every
+    stream's new text (a stream's chunk comes before its done frame, which follows), then the
+    other frames in the order the step made them."""
+    chunks: dict[SendFrames, list[TokenChunk]] = {}
+    frames: dict[SendFrames, list[bytes]] = {}
+    for stream, item in out:
+        if isinstance(item, TokenChunk):
+            chunks.setdefault(stream.send, []).append(item)
+        else:
+            frames.setdefault(stream.send, []).append(item)
+    for send, texts in chunks.items():
+        frames[send] = [encode_frame(TokenBatch(texts)), *frames.get(send, ())]
+    return frames
 
 
 # Loading ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Model runtimes: one small base class, ONNX Runtime now, room for TorchScript later."""
+"""Model runtimes: one small base class and ONNX Runtime (exported torch programs are in
+``_torch``, imported only by nodes that serve them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
+from ._classic import Labels, as_matrices, class_labels
 from ._exceptions import BadInput
 from ._signature import check_signature, zeros_feed
 from .protocol import VersionSpec
@@ -89,32 +91,90 @@ def create_session(path: Path, device: str, options: ort.SessionOptions) -> ort.
 class OnnxRuntime(Runtime):
     """An ONNX Runtime session."""
 
-    def __init__(self, path: Path | str, device: str = "auto", threads: int = 1) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        device: str = "auto",
+        threads: int = 1,
+        labels: dict[str, Labels] | None = None,
+    ) -> None:
+        # {output name: class labels} for a classifier's ZipMap outputs (see ``_classic``)
+        self._labels = labels or {}
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1  # one batch at a time per version; parallelism is intra-op
+        if self._labels:
+            # Converted classifiers declare outputs ONNX Runtime then warns about on every run
+            # (onnxmltools gives LightGBM's label a batch of 1): a log line per batch. The
+            # registry already recorded their real shapes; errors are still logged.
+            options.log_severity_level = 3
         self._session: ort.InferenceSession | None = create_session(Path(path), device, options)
         self.input_names = [i.name for i in self._session.get_inputs()]
+        # Element types ("tensor(int64)") and shapes (ints, or names for dynamic dims) by input
+        # name: what a tokenizer must feed.
+        self.input_types = {i.name: i.type for i in self._session.get_inputs()}
+        self.input_shapes = {i.name: list(i.shape) for i in self._session.get_inputs()}
         self.output_names = [o.name for o in self._session.get_outputs()]
         self.provider = self._session.get_providers()[0]
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self._session is None:
             raise RuntimeError("runtime is closed")
+        for name, kind in self.input_types.items():
+            if kind == "tensor(string)" and name in inputs:
+                inputs = {**inputs, name: _as_text(name, inputs[name])}
         try:
-            return self._session.run(self.output_names, inputs)
+            outputs = self._session.run(self.output_names, inputs)
         except (InvalidArgument, ValueError) as exc:  # wrong names, shapes or dtypes
             raise BadInput(str(exc)) from exc
+        if self._labels:
+            return as_matrices(self.output_names, outputs, self._labels)
+        return outputs
 
     def close(self) -> None:
         self._session = None
 
 
-def load_runtime(path: Path, spec: VersionSpec, threads: int = 1) -> Runtime:
-    """Load ``spec``'s artifact and check the model has the signature the platform declared."""
+def _as_text(name: str, array: np.ndarray) -> np.ndarray:
+    """A BYTES input (``bytes`` elements) as the str elements ONNX Runtime's string tensors
+    take: given ``bytes`` it would store their ``repr``."""
+    out = np.empty(array.shape, dtype=object)
+    flat = out.reshape(-1)
+    try:
+        for i, value in enumerate(array.reshape(-1).tolist()):
+            flat[i] = value.decode() if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"input {name!r}: not valid UTF-8 text ({exc.reason})") from None
+    return out
+
+
+# Opens an artifact as a runtime: (path, device, threads) -> Runtime.
+RuntimeOpener = Callable[[Path, str, int], Runtime]
+
+
+def load_runtime(
+    path: Path,
+    spec: VersionSpec,
+    threads: int = 1,
+    open_runtime: RuntimeOpener | None = None,
+    wrap: Callable[[Runtime], Runtime] | None = None,
+) -> Runtime:
+    """Load ``spec``'s artifact and check the model has the signature the platform declared.
+
+    ``open_runtime`` opens another format than ONNX (torch); ``wrap`` puts something in front
+    of the graph first (a tokenizer: ``_text``)."""
     check_signature(spec.inputs)
     check_signature(spec.outputs)
-    runtime = OnnxRuntime(path, spec.device, threads)
+    if open_runtime is None:  # ONNX: a converted classifier's outputs need its class labels
+        runtime: Runtime = OnnxRuntime(path, spec.device, threads, class_labels(spec.outputs))
+    else:
+        runtime = open_runtime(path, spec.device, threads)
+    if wrap is not None:
+        try:
+            runtime = wrap(runtime)
+        except BaseException:
+            runtime.close()
+            raise
     for kind, declared, actual in (
         ("inputs", [t.name for t in spec.inputs], runtime.input_names),
         ("outputs", [t.name for t in spec.outputs], runtime.output_names),

@@ -53,8 +53,13 @@ def check_inputs(specs: list[TensorSpec], inputs: dict[str, np.ndarray]) -> int:
 
 
 def zeros_feed(specs: list[TensorSpec], rows: int) -> dict[str, np.ndarray]:
-    """Zero tensors of ``rows`` rows; dynamic non-batch dims become 1."""
-    return {
-        s.name: np.zeros([rows, *(d if d > 0 else 1 for d in s.shape[1:])], numpy_dtype(s.datatype))
-        for s in specs
-    }
+    """Zero tensors of ``rows`` rows (empty strings for BYTES); dynamic non-batch dims
+    become 1."""
+    feed = {}
+    for s in specs:
+        shape = [rows, *(d if d > 0 else 1 for d in s.shape[1:])]
+        if s.datatype == "BYTES":
+            feed[s.name] = np.full(shape, b"", dtype=object)
+        else:
+            feed[s.name] = np.zeros(shape, numpy_dtype(s.datatype))
+    return feed

@@ -29,6 +29,7 @@ from ._memory import (
     released_enough,
 )
 from ._runtime import Runtime, load_runtime, warm_up
+from ._text import text_wrapper
 from .protocol import Assign, VersionLoad, VersionSpec, VersionState, VersionStatus
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 # its KV cache. The real footprint is measured once it has loaded.
 NEED_PER_ARTIFACT_BYTE = 2
 _CUDA_PROVIDERS = {"CUDAExecutionProvider", "torch-cuda"}
+# The agent's modules that import torch, by the formats that need them.
+_TORCH_MODULES = {"textgen": "_generate", "hf": "_hf", "torch": "_torch"}
 
 T = TypeVar("T")
 
@@ -48,6 +51,12 @@ T = TypeVar("T")
 # Fields that change what is loaded; a change in any other field (batching or generation
 # limits) is applied to the running version without reloading it.
 _ARTIFACT_FIELDS = {"sha256", "format", "device", "inputs", "outputs"}
+
+
+def _open_torch(path: Path, device: str, threads: int) -> Runtime:
+    from ._torch import TorchRuntime  # imports torch: only nodes serving torch versions do
+
+    return TorchRuntime(path, device, threads)
 
 
 def needs_reload(old: VersionSpec, new: VersionSpec) -> bool:
@@ -280,9 +289,13 @@ class VersionSet:
         version_id = spec.version_id
         started = time.perf_counter()
         await self.send_status(version_id, "loading")
+        tokenizer: Path | None = None
         try:
             url = self.platform + spec.artifact_url
             path = await self.cache.fetch(url, spec.sha256, self.headers)
+            if spec.tokenizer_url:  # verified against its hash like the artifact
+                url = self.platform + spec.tokenizer_url
+                tokenizer = await self.cache.fetch(url, spec.tokenizer_sha256, self.headers)
         except ChecksumMismatch as exc:
             return await self._load_failed(version_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
@@ -292,25 +305,31 @@ class VersionSet:
             if problem is not None:
                 self.unfit[version_id] = (self._loading.get(version_id, (spec,))[0], problem)
                 return await self._load_failed(version_id, problem)
-            if spec.format == "textgen":
-                # Imports torch (hundreds of MiB) on the first textgen version: before the
-                # reading, so that version's footprint is its own; in a thread, as it takes
-                # seconds.
-                await asyncio.to_thread(importlib.import_module, f"{__package__}._generate")
+            if spec.format in _TORCH_MODULES:
+                # Imports torch (hundreds of MiB) on the first torch, textgen or hf version:
+                # before the reading, so that version's footprint is its own; in a thread, as it
+                # takes seconds.
+                module = f"{__package__}.{_TORCH_MODULES[spec.format]}"
+                await asyncio.to_thread(importlib.import_module, module)
             before = await asyncio.to_thread(settled_load_reading)
-            if spec.format == "textgen":
+            if spec.format in ("textgen", "hf"):
                 await self.load_textgen(spec, path, before)
             else:
-                await self.load_onnx(spec, path, before)
+                await self.load_onnx(spec, path, before, tokenizer)
             loaded = self.loaded.get(version_id)
             if loaded is not None:
                 loaded.usage.load_s = time.perf_counter() - started
 
-    async def load_onnx(self, spec: VersionSpec, path: Path, before: Reading) -> None:
-        """Load an ONNX artifact behind a batcher, warm it up, measure it, report."""
+    async def load_onnx(
+        self, spec: VersionSpec, path: Path, before: Reading, tokenizer: Path | None = None
+    ) -> None:
+        """Load an ONNX (behind its tokenizer, if any) or torch artifact behind a batcher, warm
+        it up, measure it, report."""
         version_id = spec.version_id
         try:
-            runtime = await asyncio.to_thread(load_runtime, path, spec, self.threads)
+            opener = _open_torch if spec.format == "torch" else None
+            wrap = text_wrapper(tokenizer, spec) if tokenizer is not None else None
+            runtime = await asyncio.to_thread(load_runtime, path, spec, self.threads, opener, wrap)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"load failed: {exc}")
         try:
@@ -351,7 +370,11 @@ class VersionSet:
     async def load_textgen(self, spec: VersionSpec, path: Path, before: Reading) -> None:
         """Load a textgen artifact onto an engine, warm it up with a tiny generation, measure
         it, report."""
-        from ._generate import load_engine  # torch is imported only by nodes that generate
+        # torch (and transformers) are imported only by nodes that generate
+        if spec.format == "hf":
+            from ._hf import load_hf_engine as load_engine
+        else:
+            from ._generate import load_engine
 
         version_id = spec.version_id
         try:
@@ -365,8 +388,9 @@ class VersionSet:
         engine.set_limits(spec.generation)
         self.loaded[version_id] = LoadedTextGen(spec, engine, usage)
         logger.info(
-            "version %d ready on %s (textgen, warm-up generation %.1f ms, %s measured)",
+            "version %d ready on %s (%s, warm-up generation %.1f ms, %s measured)",
             version_id,
+            spec.format,
             engine.provider,
             warm_s * 1000,
             mib(usage.measured_bytes),

@@ -29,8 +29,11 @@ CLOSE_BAD_MESSAGE = 4400  # websocket close code: a message that breaks the prot
 # deployment outside its node's tenant scope); the platform trusts nothing more on that socket
 CLOSE_CLAIM_REFUSED = 4403
 ARTIFACT_PATH = "/api/v1/agent/artifacts/{version_id}"
+TOKENIZER_PATH = "/api/v1/agent/tokenizers/{version_id}"
 
-# Open Inference Protocol v2 datatypes and their numpy equivalents (BYTES is not a tensor here).
+# Open Inference Protocol v2 datatypes and their numpy equivalents. A BYTES tensor is a numpy
+# object array of ``bytes`` (what tritonclient sends and returns); a model's str outputs (ONNX
+# string tensors, class labels) are carried as their UTF-8 bytes (``wire_array``).
 OIP_TO_NUMPY: dict[str, np.dtype] = {
     "BOOL": np.dtype("bool"),
     "UINT8": np.dtype("<u1"),
@@ -44,8 +47,17 @@ OIP_TO_NUMPY: dict[str, np.dtype] = {
     "FP16": np.dtype("<f2"),
     "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
+    "BYTES": np.dtype("O"),
 }
 NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
+
+
+class TensorParameters(BaseModel):
+    """What the registry read from the artifact about a tensor beyond its type and shape."""
+
+    # A classifier's probabilities: the class label of each column. The artifact gives them as
+    # one {label: probability} map per row (ONNX's ZipMap); the agent returns the matrix.
+    labels: list[int] | list[str] | None = None
 
 
 class TensorSpec(BaseModel):
@@ -54,6 +66,7 @@ class TensorSpec(BaseModel):
     name: str
     datatype: str
     shape: list[int]
+    parameters: TensorParameters | None = None
 
 
 class GenerationLimits(BaseModel):
@@ -69,8 +82,8 @@ class VersionSpec(BaseModel):
 
     ``onnx`` versions answer ``InferRequest`` frames. ``textgen`` versions are a safetensors
     file of a known decoder-only architecture (its config in the file's metadata; never a
-    pickle) and answer ``GenerateRequest`` frames with a stream of ``TokenChunk`` frames and
-    one ``GenerateDone`` (or an ``InferError``).
+    pickle) and answer ``GenerateRequest`` frames with a stream of ``TokenChunk``s (in
+    ``TokenBatch`` frames, one per engine step) and one ``GenerateDone`` (or an ``InferError``).
     """
 
     version_id: int
@@ -78,7 +91,7 @@ class VersionSpec(BaseModel):
     version: int
     sha256: str
     artifact_url: str
-    format: Literal["onnx", "textgen"] = "onnx"
+    format: Literal["onnx", "textgen", "hf", "torch"] = "onnx"
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     max_batch_size: int = 32
@@ -93,6 +106,12 @@ class VersionSpec(BaseModel):
     # The platform's estimate of the memory one loaded copy needs (0: unknown, the agent
     # estimates from the artifact's size). Agents measure the real footprint when they load.
     memory_bytes: int = 0
+    # NaN marks a missing value in float inputs (tree models); infinities stay refused.
+    allow_missing: bool = False
+    # A tokenizer.json for the version's BYTES text inputs ("" when none), fetched and checked
+    # against its hash like the artifact.
+    tokenizer_url: str = ""
+    tokenizer_sha256: str = ""
 
 
 # Platform -> agent ----------------------------------------------------------------------------
@@ -299,7 +318,13 @@ class InferError(msgspec.Struct, tag="error", tag_field="type"):
 # (which also cancels a queued infer request).
 # Agent -> platform: ``TokenChunk`` (one or more tokens of text), then ``GenerateDone``; or an
 # ``InferError`` with the request's id ("bad_input" past the version's token limits,
-# "overloaded" past its concurrent streams).
+# "overloaded" past its concurrent streams). An agent sends the chunks of one engine step as
+# one ``TokenBatch`` frame per connection; the platform also takes single ``TokenChunk``s.
+
+
+class ChatTurn(msgspec.Struct):
+    role: str
+    content: str
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
@@ -309,9 +334,13 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: every token may be sampled
     stop: list[str] = []
     seed: int | None = None
     trace: str = ""  # the W3C traceparent of the platform's span, for the agent's logs
+    # A chat, rendered by the agent with the model's own chat template (hf versions); when
+    # set, ``prompt`` is ignored.
+    messages: list[ChatTurn] = []
 
 
 class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):
@@ -325,7 +354,16 @@ class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):
 class TokenChunk(msgspec.Struct, tag="tokens", tag_field="type"):
     id: int
     text: str
-    tokens: int  # how many tokens this chunk's text holds
+    # How many tokens this chunk's text holds; never negative, since clients are billed by it.
+    tokens: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class TokenBatch(msgspec.Struct, tag="token_batch", tag_field="type"):
+    """Every stream's new text from one engine step, for one connection: one frame header to
+    encode and decode per step instead of one per stream, which is what the platform paid per
+    token. Chunks of one stream keep their order."""
+
+    chunks: Annotated[list[TokenChunk], msgspec.Meta(min_length=1)]
 
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -347,12 +385,65 @@ FrameHeader = (
     | GenerateRequest
     | CancelGenerate
     | TokenChunk
+    | TokenBatch
     | GenerateDone
 )
 _decode_header = msgspec.json.Decoder(FrameHeader).decode
 _encode_header = msgspec.json.Encoder().encode
 
 _LEN = struct.Struct("!I")
+# A BYTES element's length prefix: 4 bytes little-endian, as in Triton's binary extension, KServe's
+# gRPC raw contents and these frames.
+BYTES_LEN = struct.Struct("<I")
+
+
+def wire_array(array: np.ndarray) -> np.ndarray:
+    """``array`` as it travels: numeric arrays unchanged; str, numpy string and object arrays
+    as an object array of ``bytes`` (str as UTF-8), the one form of a BYTES tensor."""
+    if array.dtype.kind not in "OUS":
+        return array
+    out = np.empty(array.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, value in enumerate(array.reshape(-1).tolist()):
+        if isinstance(value, str):
+            flat[i] = value.encode()
+        elif isinstance(value, bytes):
+            flat[i] = value
+        else:
+            raise TypeError(f"a BYTES tensor holds {type(value).__name__}, not str or bytes")
+    return out
+
+
+def pack_bytes(array: np.ndarray) -> bytes:
+    """A BYTES tensor's elements, each behind its 4-byte little-endian length, row-major."""
+    parts: list[bytes] = []
+    for value in wire_array(array).reshape(-1).tolist():
+        parts.append(BYTES_LEN.pack(len(value)))
+        parts.append(value)
+    return b"".join(parts)
+
+
+def unpack_bytes(
+    data: bytes | memoryview, offset: int, count: int, end: int
+) -> tuple[np.ndarray, int]:
+    """``count`` length-prefixed elements read from ``data[offset:end]``: a flat object array
+    of ``bytes`` and the offset past the last one. ``ValueError`` names what does not fit: a
+    length that runs past ``end``, or fewer bytes than ``count`` prefixes need (checked before
+    reading, so a hostile shape costs no loop)."""
+    if count * BYTES_LEN.size > end - offset:
+        raise ValueError(f"{count} elements need at least {count * BYTES_LEN.size} bytes")
+    view = memoryview(data)
+    out = np.empty(count, dtype=object)
+    for i in range(count):
+        if offset + BYTES_LEN.size > end:
+            raise ValueError(f"element {i}'s length runs past the end of the tensor")
+        (size,) = BYTES_LEN.unpack_from(view, offset)
+        offset += BYTES_LEN.size
+        if offset + size > end:
+            raise ValueError(f"element {i} declares {size} bytes, past the end of the tensor")
+        out[i] = bytes(view[offset : offset + size])
+        offset += size
+    return out, offset
 
 
 class FrameError(ValueError):
@@ -363,12 +454,16 @@ def encode_frame(header: FrameHeader, arrays: Sequence[np.ndarray] = ()) -> byte
     """Header JSON plus the arrays' bytes, in the order the header lists them."""
     head = _encode_header(header)
     parts = [_LEN.pack(len(head)), head]
-    parts.extend(np.ascontiguousarray(a).tobytes() for a in arrays)
+    parts.extend(
+        pack_bytes(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes()
+        for a in arrays
+    )
     return b"".join(parts)
 
 
 def decode_frame(data: bytes) -> tuple[FrameHeader, list[np.ndarray]]:
-    """Parse a frame; arrays are zero-copy views into ``data``."""
+    """Parse a frame; numeric arrays are zero-copy views into ``data``, BYTES tensors object
+    arrays of ``bytes``."""
     if len(data) < _LEN.size:
         raise FrameError("frame shorter than its length prefix")
     (head_len,) = _LEN.unpack_from(data)
@@ -388,6 +483,13 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, list[np.ndarray]]:
         if dtype is None:
             raise FrameError(f"tensor {t.name!r}: unsupported datatype {t.datatype}")
         count = math.prod(t.shape)
+        if t.datatype == "BYTES":
+            try:
+                flat, offset = unpack_bytes(view, offset, count, len(data))
+            except ValueError as exc:
+                raise FrameError(f"tensor {t.name!r}: {exc}") from None
+            arrays.append(flat.reshape(t.shape))
+            continue
         nbytes = count * dtype.itemsize
         if offset + nbytes > len(data):
             raise FrameError(f"tensor {t.name!r}: frame holds fewer bytes than its shape needs")
@@ -398,13 +500,21 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, list[np.ndarray]]:
     return header, arrays
 
 
+def unbatch(header: FrameHeader) -> list[FrameHeader]:
+    """What each stream gets from a frame: a ``TokenBatch``'s chunks, or the frame itself."""
+    return list(header.chunks) if isinstance(header, TokenBatch) else [header]
+
+
 def error_frame(request_id: int, code: ErrorCode, message: str) -> bytes:
     """The frame answering a request that failed: an ``InferError`` with its code and why."""
     return encode_frame(InferError(id=request_id, code=code, message=message))
 
 
 def tensor_of(name: str, array: np.ndarray) -> FrameTensor:
-    """The frame header entry describing ``array`` (which must be a supported numeric dtype)."""
+    """The frame header entry describing ``array`` (a supported numeric dtype, or str, bytes
+    or object for BYTES)."""
+    if array.dtype.kind in "OUS":
+        return FrameTensor(name, "BYTES", list(array.shape))
     return FrameTensor(name, NUMPY_TO_OIP[array.dtype.newbyteorder("<")], list(array.shape))
 
 

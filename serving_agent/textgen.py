@@ -338,11 +338,19 @@ def from_safetensors(data_or_path: bytes | str | Path, device: str = "cpu") -> T
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
 ) -> int:
-    """One token from ``logits`` [vocab]: argmax at temperature 0, else nucleus sampling."""
+    """One token from ``logits`` [vocab]: argmax at temperature 0, else nucleus sampling
+    (among the ``top_k`` likeliest tokens when ``top_k`` is set)."""
     if temperature == 0 or generator is None:
         return int(logits.argmax())
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         probs, order = probs.sort(descending=True)

@@ -3,14 +3,18 @@ response page itself: ``shown_once``) and the read-only audit log."""
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
+from django.utils import timezone
 
+from .admin_audit import AuditedAdmin
 from .audit import user_actor
-from .keys import create_api_key, revoke_api_key, set_key_max_in_flight, set_key_priority
+from .keys import create_key_like, revoke_api_key, set_key_max_in_flight, set_key_priority
 from .models import (
     DEFAULT_MAX_IN_FLIGHT,
     ApiKey,
@@ -18,6 +22,7 @@ from .models import (
     KeyPriority,
     Membership,
     Quota,
+    Scope,
     Tenant,
 )
 from .shown_once import remember, shown_once_page
@@ -35,7 +40,10 @@ class QuotaInline(admin.StackedInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
+    """Saves, deletes and the quota and membership inlines are audited (``AuditedAdmin``); a
+    deleted tenant's audit history stays, with its slug."""
+
     list_display = ["slug", "name", "created_at"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
@@ -52,6 +60,14 @@ class ApiKeyForm(forms.ModelForm):
         help_text=ApiKey._meta.get_field("priority").help_text,
     )
 
+    scopes = forms.MultipleChoiceField(
+        choices=Scope.choices,
+        widget=forms.CheckboxSelectMultiple,
+        initial=[Scope.PREDICT],
+        required=False,  # none ticked: predict, the default
+        help_text="Fixed once the key exists: rotate it for other scopes.",
+    )
+
     # Not required either: left empty, the model's default.
     max_in_flight = forms.IntegerField(
         min_value=1,
@@ -63,11 +79,20 @@ class ApiKeyForm(forms.ModelForm):
 
     class Meta:
         model = ApiKey
-        fields = ["tenant", "name", "priority", "max_in_flight"]
+        fields = ["tenant", "name", "scopes", "expires_at", "priority", "max_in_flight"]
 
     def clean_priority(self) -> int:
         value = self.cleaned_data.get("priority")
         return int(value) if isinstance(value, int) else KeyPriority.INTERACTIVE
+
+    def clean_scopes(self) -> list[str]:
+        return list(self.cleaned_data.get("scopes") or [Scope.PREDICT])
+
+    def clean_expires_at(self) -> datetime | None:
+        value = self.cleaned_data.get("expires_at")
+        if value is not None and value <= timezone.now():
+            raise forms.ValidationError("must be in the future")
+        return value
 
     def clean_max_in_flight(self) -> int:
         value = self.cleaned_data.get("max_in_flight")
@@ -75,12 +100,14 @@ class ApiKeyForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(AuditedAdmin):
     form = ApiKeyForm
     list_display = [
         "name",
         "tenant",
         "prefix",
+        "scopes",
+        "expires_at",
         "priority",
         "max_in_flight",
         "created_at",
@@ -89,14 +116,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
     ]
     list_filter = ["tenant", "priority", ("revoked_at", admin.EmptyFieldListFilter)]
     readonly_fields = ["prefix", "created_by", "created_at", "last_used_at", "revoked_at"]
-    fields = ["tenant", "name", "priority", "max_in_flight", *readonly_fields]
+    fields = ["tenant", "name", "scopes", "expires_at", "priority", "max_in_flight"]
+    fields += readonly_fields
     actions = ["revoke"]
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: ApiKey | None = None
     ) -> list[str] | tuple[str, ...]:
-        # The tenant of an existing key never changes: that would move its access.
-        return [*self.readonly_fields, "tenant"] if obj else self.readonly_fields
+        # The tenant of an existing key never changes (that would move its access), nor its
+        # scopes or expiry (a rotation replaces the key).
+        fixed = ["tenant", "scopes", "expires_at"]
+        return [*self.readonly_fields, *fixed] if obj else self.readonly_fields
 
     def save_model(
         self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm[ApiKey], change: bool
@@ -108,10 +138,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
                 set_key_max_in_flight(obj, obj.max_in_flight, user_actor(request.user))
             super().save_model(request, obj, form, change)
             return
-        actor = user_actor(request.user)
-        key, raw = create_api_key(
-            obj.tenant, obj.name, actor, priority=obj.priority, max_in_flight=obj.max_in_flight
-        )
+        key, raw = create_key_like(obj, user_actor(request.user), obj.expires_at)
         obj.pk = key.pk
         obj.prefix = key.prefix
         remember(request, f"API key {key.name!r} of {obj.tenant}", raw)
@@ -133,15 +160,16 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(Membership)
-class MembershipAdmin(admin.ModelAdmin):
+class MembershipAdmin(AuditedAdmin):
     list_display = ["user", "tenant", "role"]
     list_filter = ["tenant", "role"]
 
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "tenant", "actor_label", "action", "target", "reason"]
-    list_filter = ["tenant", "action"]
+    # The slug, not the tenant: an event outlives its tenant (no row to follow there).
+    list_display = ["created_at", "tenant_slug", "actor_label", "action", "target", "reason"]
+    list_filter = ["tenant_slug", "action"]
     search_fields = ["target", "actor_label", "reason"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -13,7 +13,7 @@ from platform_site.tokens import bearer
 
 from .audit import Actor
 from .keys import KeyIdentity, identify_key
-from .models import WRITE_ROLES, ApiKey, Membership, Role
+from .models import WRITE_ROLES, ApiKey, Membership, Role, Scope
 
 if TYPE_CHECKING:
     # Only for annotations: DRF's settings import this module while rest_framework.views loads.
@@ -43,6 +43,8 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         identity = identify_key(raw)
         if identity is None:
             raise exceptions.AuthenticationFailed("invalid or revoked API key")
+        if identity.expired():
+            raise exceptions.AuthenticationFailed("the API key has expired")
         ApiKey.objects.filter(pk=identity.key_id).update(last_used_at=timezone.now())
         return KeyPrincipal(identity), identity
 
@@ -52,9 +54,19 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 
 @dataclass(frozen=True)
 class Caller:
+    """Who calls the API: a member acting in one tenant, or an API key acting as its creator
+    (``key_id`` set, ``scopes`` the key's; ``role`` the creator's current role there, capped
+    to viewer without the deploy scope, and "" when the creator is no longer a member)."""
+
     tenant_id: int
     role: str
     user_id: int | None
+    key_id: int | None = None
+    scopes: frozenset[str] | None = None  # None: a signed-in person, bounded by role alone
+    label: str = ""
+
+
+NO_OWNER = "this key has no owner in this tenant"
 
 
 class CallerRequest(Request):
@@ -64,20 +76,46 @@ class CallerRequest(Request):
     caller: Caller
 
 
-def caller_of(request: Request) -> Caller:
-    """The tenant and role a request acts as; API keys act as engineers of their tenant.
+def key_caller(identity: KeyIdentity) -> Caller:
+    """The caller behind a key: the person who created it, with the role they hold in the key's
+    tenant now (so a demoted or departed creator's keys lose their power at once)."""
+    membership = (
+        Membership.objects.filter(tenant_id=identity.tenant_id, user_id=identity.created_by_id)
+        .select_related("user")
+        .first()
+        if identity.created_by_id is not None
+        else None
+    )
+    label = f"api-key:{identity.key_id}"
+    if membership is None:
+        return Caller(identity.tenant_id, "", None, identity.key_id, identity.scopes, label)
+    # An inference-only key reads at most, whatever its creator may do.
+    writes = identity.scopes & {Scope.DEPLOY, Scope.ADMIN}
+    role = membership.role if writes else Role.VIEWER
+    label = f"{label} ({membership.user.get_username()})"
+    return Caller(
+        identity.tenant_id, role, membership.user_id, identity.key_id, identity.scopes, label
+    )
 
-    A signed-in user acts in the tenant named by the ``X-Tenant`` header (a slug), or in their
-    only tenant.
+
+def caller_of(request: Request) -> Caller:
+    """The tenant and role a request acts as; an API key acts as its creator (``key_caller``).
+
+    A signed-in user acts in the tenant named by the ``X-Tenant`` header (a slug; for reads,
+    also the ``tenant`` query parameter), or in their only tenant.
     """
     user = request.user
     if isinstance(user, KeyPrincipal):
-        return Caller(user.identity.tenant_id, Role.ENGINEER, None)
+        return key_caller(user.identity)
     if not user or not user.is_authenticated:
         # No credentials (DRF leaves the user None): refused like a user of no tenant.
         raise exceptions.PermissionDenied("you are not a member of this tenant")
     memberships = Membership.objects.filter(user=user).select_related("tenant")
     slug = request.headers.get("X-Tenant")
+    if not slug and request.method in permissions.SAFE_METHODS:
+        # A link (the audit page's export) cannot send a header: a read may name its tenant
+        # in the query string.
+        slug = request.query_params.get("tenant")
     if slug:
         memberships = memberships.filter(tenant__slug=slug)
     found = list(memberships[:2])
@@ -87,11 +125,19 @@ def caller_of(request: Request) -> Caller:
         raise exceptions.ValidationError(
             {"X-Tenant": "you belong to several tenants; name one in the X-Tenant header"}
         )
-    return Caller(found[0].tenant_id, found[0].role, user.pk)
+    return Caller(found[0].tenant_id, found[0].role, user.pk, label=user.get_username())
+
+
+def require_scope(caller: Caller, scope: str) -> None:
+    """403 naming the scope when the caller is a key without it (people are bounded by role)."""
+    if caller.scopes is not None and scope not in caller.scopes:
+        raise exceptions.PermissionDenied(f"this API key lacks the '{scope}' scope")
 
 
 class TenantRolePermission(permissions.BasePermission):
-    """Members read; engineers and approvers (and API keys) write."""
+    """Members read; engineers and approvers write. A key reads with any scope and writes with
+    the view's ``write_scope`` (``deploy`` unless the view says otherwise) as its creator's
+    current role; a key whose creator is not a member of its tenant any more cannot write."""
 
     message = "your role in this tenant does not allow changes"
 
@@ -99,11 +145,34 @@ class TenantRolePermission(permissions.BasePermission):
         caller = caller_of(request)
         # From here on the views read this request as a CallerRequest.
         cast(CallerRequest, request).caller = caller
-        return request.method in permissions.SAFE_METHODS or caller.role in WRITE_ROLES
+        if request.method in permissions.SAFE_METHODS:
+            return True
+        scope = getattr(view, "write_scope", Scope.DEPLOY)
+        require_scope(caller, scope)
+        if caller.key_id is not None and not caller.role:
+            raise exceptions.PermissionDenied(NO_OWNER)
+        if caller.key_id is not None and scope == Scope.PREDICT:
+            return True  # data sent alongside inference (feedback): the scope is the grant
+        return caller.role in WRITE_ROLES
+
+
+class KeyAdminPermission(permissions.BasePermission):
+    """API-key management: signed-in engineers and approvers, or a key with the ``admin``
+    scope acting for one (what each may give is ``tenants.keys.check_grant``'s rule)."""
+
+    message = "only engineers and approvers manage API keys"
+
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        caller = caller_of(request)
+        cast(CallerRequest, request).caller = caller
+        require_scope(caller, Scope.ADMIN)
+        if caller.key_id is not None and not caller.role:
+            raise exceptions.PermissionDenied(NO_OWNER)
+        return caller.role in WRITE_ROLES
 
 
 def actor_of(request: CallerRequest) -> Actor:
-    """The caller as an actor: a user with their tenant role, or an API key (no user)."""
+    """The caller as an actor: a user with their tenant role, or an API key acting as the person
+    who created it (their user id, so the four-eyes rule sees through the key; ``via_key``)."""
     caller = request.caller
-    label = str(request.user) if caller.user_id is None else request.user.get_username()
-    return Actor(caller.user_id, label, caller.role)
+    return Actor(caller.user_id, caller.label or str(request.user), caller.role, caller.key_id)

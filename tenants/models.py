@@ -6,6 +6,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 # An API key's requests in flight at once per gateway process, unless set on the key: well
 # above what one well-behaved client keeps open, far below what starves the other tenants.
@@ -91,8 +92,36 @@ class KeyPriority(models.IntegerChoices):
     SHADOW = 3, "shadow"
 
 
+class Scope(models.TextChoices):
+    """What an API key may do. ``predict``: inference on every front door; ``deploy``: the
+    control-plane writes engineers make (models, versions, plans, aliases); ``admin``: keys and
+    tenant settings. Reads of the control-plane API need any scope."""
+
+    PREDICT = "predict", "predict"
+    DEPLOY = "deploy", "deploy"
+    ADMIN = "admin", "admin"
+
+
+SCOPES = tuple(Scope.values)
+
+
+def default_scopes() -> list[str]:
+    return [Scope.PREDICT]
+
+
+def validate_scopes(value: object) -> None:
+    if not isinstance(value, list) or not value:
+        raise ValidationError("scopes must be a non-empty list of 'predict', 'deploy', 'admin'")
+    unknown = [s for s in value if s not in SCOPES]
+    if unknown:
+        raise ValidationError(f"unknown scope(s) {unknown!r}; scopes are {list(SCOPES)}")
+
+
 class ApiKey(models.Model):
-    """A tenant's API key. Only a hash is kept; the short prefix finds the row without it."""
+    """A tenant's API key. Only a hash is kept; the short prefix finds the row without it.
+
+    A key acts as the person who created it (``created_by``), within its ``scopes``; its scopes
+    never change (rotate it for others), and after ``expires_at`` it is refused."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100)
@@ -103,6 +132,14 @@ class ApiKey(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(
+        null=True, blank=True, help_text="Refused from this time on (empty: never expires)."
+    )
+    scopes = models.JSONField(
+        default=default_scopes,
+        validators=[validate_scopes],
+        help_text="What the key may do: predict, deploy, admin.",
+    )
     last_used_at = models.DateTimeField(null=True, blank=True)
     # The scheduling class of this key's requests by default, and the best one they may ask
     # for (a request above it is refused): agents serve a better class first.
@@ -129,15 +166,65 @@ class ApiKey(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and not self.is_expired
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def state(self) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if self.is_expired else "active"
+
+
+class AppendOnly(ValidationError):
+    """Raised by any attempt to change or delete an audit event."""
+
+    def __init__(self) -> None:
+        super().__init__("Audit events are append-only.")
+
+
+class AuditEventQuerySet(models.QuerySet["AuditEvent"]):
+    """Bulk changes refused as ``save()`` and ``delete()`` are (the database refuses them too:
+    migration 0010's triggers)."""
+
+    def update(self, **kwargs: Any) -> int:
+        raise AppendOnly()
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise AppendOnly()
+
+    def bulk_update(self, *args: Any, **kwargs: Any) -> int:
+        raise AppendOnly()
 
 
 class AuditEvent(models.Model):
-    """An append-only record of a state change: who, what, before, after, why."""
+    """An append-only record of a state change: who, what, before, after, why.
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="audit")
+    It outlives its tenant and its actor: neither reference is a database constraint nor
+    followed on delete, and the tenant's slug is copied into the row when it is written."""
+
+    # DO_NOTHING without a constraint: deleting a tenant or a user leaves its history in place
+    # (a SET_NULL would be an UPDATE, which the append-only trigger refuses).
+    # None: a platform-wide change (a shared pool, a node of no tenant), seen in the admin.
+    tenant = models.ForeignKey(
+        Tenant,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="audit",
+    )
+    tenant_slug = models.CharField(max_length=50, blank=True, db_index=True)
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="+",
     )
     actor_label = models.CharField(max_length=150)
     action = models.CharField(max_length=50)
@@ -146,6 +233,8 @@ class AuditEvent(models.Model):
     after = models.JSONField(default=dict, blank=True)
     reason = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    objects = AuditEventQuerySet.as_manager()
 
     class Meta:
         db_table = "rollouts_auditevent"  # created by the rollouts app, moved here with its rows
@@ -156,11 +245,11 @@ class AuditEvent(models.Model):
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         if self.pk is not None:
-            raise ValidationError("Audit events are append-only.")
+            raise AppendOnly()
         super().save(*args, **kwargs)
 
     def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
-        raise ValidationError("Audit events are append-only.")
+        raise AppendOnly()
 
 
 class IdempotencyRecord(models.Model):

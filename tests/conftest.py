@@ -110,3 +110,16 @@ def _gateway_db_calls_on_the_test_thread(request):
     settings.SWITCHYARD_DB_THREADS = 0
     yield
     settings.SWITCHYARD_DB_THREADS = threads
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fast_password_hashing():
+    """Tests make many users (members, approvers, every test key's owner): PBKDF2's 1,000,000
+    iterations cost 0.2-0.4 s per user here, several minutes over the suite. A test that checks
+    a password only needs it to match; the platform itself keeps Django's hashers."""
+    from django.conf import settings
+
+    hashers = settings.PASSWORD_HASHERS
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    yield
+    settings.PASSWORD_HASHERS = hashers

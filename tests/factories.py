@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
 
 from registry.models import Model, TaskKind
 from registry.services import create_version, set_alias
+from tenants.audit import Actor
 from tenants.keys import create_api_key
 from tenants.models import Membership, Quota, Tenant
 
@@ -16,14 +18,49 @@ def make_tenant(slug: str, rps: float = 1000.0, burst: int = 2000) -> Tenant:
     return tenant
 
 
-def make_key(tenant: Tenant, name: str = "test key"):
-    return create_api_key(tenant, name)
+def make_key(
+    tenant: Tenant,
+    name: str = "test key",
+    scopes: tuple[str, ...] = ("predict", "deploy"),
+    creator=None,
+    **details,
+):
+    """A key of ``tenant`` acting as ``creator`` (by default the tenant's "key owner", an
+    engineer), able to infer and deploy unless told otherwise."""
+    if creator is None:
+        creator = key_owner(tenant)
+    role = Membership.objects.filter(tenant=tenant, user=creator).values_list("role", flat=True)
+    actor = Actor(creator.pk, creator.get_username(), role.first() or "")
+    return create_api_key(tenant, name, actor, scopes=scopes, **details)
+
+
+def key_owner(tenant: Tenant):
+    """The engineer who makes a tenant's test keys (created once per tenant)."""
+    username = f"key-owner-{tenant.slug}"
+    user = get_user_model().objects.filter(username=username).first()
+    return user or make_member(tenant, username, "engineer")
 
 
 def make_member(tenant: Tenant, username: str, role: str):
     user = get_user_model().objects.create_user(username, password=f"pw-{username}-1")
     Membership.objects.create(tenant=tenant, user=user, role=role)
     return user
+
+
+# The admin's version form, filled as an upload leaves it (tests of the admin post it).
+ADMIN_VERSION_FIELDS = {
+    "max_batch_size": 8,
+    "max_queue_delay_ms": 0,
+    "max_queue": 64,
+    "max_queue_per_caller": 0,
+    "device": "auto",
+    "max_input_tokens": 512,
+    "max_output_tokens": 256,
+    "max_streams": 16,
+    "personal_fields": "{}",
+    "offline_metrics": "{}",
+    "feature_names": "[]",
+}
 
 
 def make_model(tenant: Tenant, name: str = "clf", task: str = TaskKind.CLASSIFIER) -> Model:
@@ -51,3 +88,20 @@ def make_session(node, deployment_name: str = "", budget_bytes: int = 0, channel
         memory_budget_bytes=budget_bytes,
     )
     return open_session(node, channel or f"test.{node.name}.{deployment_name}", hello)
+
+
+def as_user(user, tenant_slug: str = "alpha") -> APIClient:
+    """An API client signed in as ``user``, acting in ``tenant_slug``."""
+    client = APIClient()
+    client.default_format = "json"
+    client.force_login(user)
+    client.credentials(HTTP_X_TENANT=tenant_slug)
+    return client
+
+
+def key_client(key: str) -> APIClient:
+    """An API client calling with the raw API key ``key``."""
+    client = APIClient()
+    client.default_format = "json"
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client

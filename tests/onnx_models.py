@@ -113,3 +113,21 @@ def padded_onnx(megabytes: int) -> bytes:
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+def echo_onnx() -> bytes:
+    """A graph with string tensors: ``t`` (STRING [-1]) is answered unchanged as ``u``: BYTES
+    in and out, as a text classifier's labels are."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["t"], ["u"])],
+        "echo",
+        [helper.make_tensor_value_info("t", TensorProto.STRING, ["batch"])],
+        [helper.make_tensor_value_info("u", TensorProto.STRING, ["batch"])],
+    )
+    # IR 8: what the installed ONNX Runtime reads (the onnx package writes a newer one).
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model.SerializeToString()

@@ -10,7 +10,7 @@ from fleet.nodes import authenticate_node
 from registry.models import ModelVersion
 from tenants.keys import identify_key
 from tenants.models import ApiKey, AuditEvent
-from tests.factories import make_model, make_tenant
+from tests.factories import ADMIN_VERSION_FIELDS, make_model, make_tenant
 
 
 @pytest.fixture
@@ -74,24 +74,19 @@ def test_creating_a_node_in_the_admin_shows_its_token_once(admin_client, db):
 
 def test_uploading_a_version_in_the_admin_checks_the_artifact(admin_client, db, onnx_bytes):
     model = make_model(make_tenant("acme"))
-    fields = {
-        "model": model.pk,
-        "max_batch_size": 8,
-        "max_queue_delay_ms": 0,
-        "max_queue": 64,
-        "device": "auto",
-        "max_input_tokens": 512,
-        "max_output_tokens": 256,
-        "max_streams": 16,
-        "personal_fields": "{}",
-        "offline_metrics": "{}",
-        "feature_names": "[]",
-    }
+    fields = {"model": model.pk, **ADMIN_VERSION_FIELDS}
     bad = admin_client.post(
         "/admin/registry/modelversion/add/",
         {**fields, "upload": SimpleUploadedFile("m.onnx", b"junk")},
     )
     assert "not a valid ONNX model" in bad.content.decode()
+    # A tokenizer only fits a graph that takes token ids.
+    tokenizer = SimpleUploadedFile("tokenizer.json", b'{"model": {}}')
+    refused = admin_client.post(
+        "/admin/registry/modelversion/add/",
+        {**fields, "upload": SimpleUploadedFile("m.onnx", onnx_bytes), "tokenizer_file": tokenizer},
+    )
+    assert "tokenizer: not a valid tokenizer.json" in refused.content.decode()
     good = admin_client.post(
         "/admin/registry/modelversion/add/",
         {**fields, "upload": SimpleUploadedFile("m.onnx", onnx_bytes)},

@@ -147,6 +147,9 @@ def test_an_agent_is_routed_what_it_was_assigned_and_an_assignment_change_takes_
 
     @database_sync_to_async
     def moved():
+        # Kept warm for no time after it leaves the alias (the last-known-good window).
+        site.model_a.rollback_warm_s = 0
+        site.model_a.save(update_fields=["rollback_warm_s"])
         set_alias(site.model_a, "production", make_version(site.model_a, onnx_bytes, alias=None))
 
     routed, reassigned, revoked, still_revoked = async_to_sync(ready_then_moved)()

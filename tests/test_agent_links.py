@@ -268,3 +268,89 @@ def test_a_links_message_is_checked_on_arrival():
         Links.model_validate({"type": "links", "session": 1, "urls": ["ws://" + "x" * 400]})
     with pytest.raises(ValueError):
         Links.model_validate({"type": "links", "session": 1, "urls": ["ws://x/"] * 300})
+
+
+@pytest.mark.django_db(transaction=False)
+@pytest.mark.parametrize(
+    ("restarting", "status", "retry_after"), [(False, 502, None), (True, 503, 1)]
+)
+def test_requests_in_flight_on_a_lost_link_fail_by_who_closed_it(restarting, status, retry_after):
+    """The agent gone: 502, its work is lost. This server shutting down (it closed the socket
+    itself, code 1012): 503 with Retry-After, as the agent still serves through other
+    processes."""
+    from gateway.dispatch import AgentPool, DispatchError
+
+    async def scenario() -> DispatchError:
+        async def send(message: bytes) -> None:
+            pass
+
+        pool = AgentPool()
+        link = AgentLink("agent", send)
+        pool.add(link)
+        pool.set_ready(link, 7, True)
+        waiting = asyncio.create_task(pool.infer(7, ["x"], [np.ones((1, 4), "f4")], None, 5.0))
+        await asyncio.sleep(0.01)
+        assert link.pending
+        pool.remove(link, "gone", restarting=restarting)
+        with pytest.raises(DispatchError) as caught:
+            await waiting
+        return caught.value
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.retry_after) == (status, retry_after)
+
+
+@pytest.mark.django_db(transaction=False)
+@pytest.mark.parametrize(
+    ("restarting", "status", "retry_after"), [(None, 502, None), (False, 502, None), (True, 503, 1)]
+)
+def test_a_send_that_fails_as_the_socket_closes_answers_by_how_it_closed(
+    restarting, status, retry_after
+):
+    """A send fails the moment the socket closes, a moment before the server reports why: a
+    request whose send failed waits for that, so a shutdown of this process answers the
+    retryable 503 its in-flight requests get (None: the end is never reported, 502)."""
+    from gateway.dispatch import AgentPool, DispatchError
+
+    async def scenario() -> DispatchError:
+        pool = AgentPool()
+
+        async def send(message: bytes) -> None:
+            if restarting is not None:
+                loop.call_later(0.01, lambda: pool.remove(link, "gone", restarting=restarting))
+            raise ConnectionError("closed")
+
+        loop = asyncio.get_running_loop()
+        link = AgentLink("agent", send)
+        pool.add(link)
+        pool.set_ready(link, 7, True)
+        with pytest.raises(DispatchError) as caught:
+            await pool.infer(7, ["x"], [np.ones((1, 4), "f4")], None, 5.0)
+        return caught.value
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.retry_after) == (status, retry_after)
+
+
+def test_a_socket_closed_by_the_servers_shutdown_fails_its_requests_as_retryable(site, state):
+    async def scenario() -> tuple[int, int | None]:
+        ws = socket(site.token)
+        await ws.connect()
+        hello = Hello(agent_version="x", host="h", cpu_count=1, memory_bytes=1 << 30)
+        await ws.send_to(text_data=hello.model_dump_json())
+        await ws.receive_output(timeout=5)  # its assignment
+        state.pool.set_ready(state.pool._links[0], site.version.pk, True)
+        waiting = asyncio.create_task(
+            state.pool.infer(site.version.pk, ["x"], [np.ones((1, 4), "f4")], None, 5.0)
+        )
+        await asyncio.sleep(0.05)
+        await ws.disconnect(code=consumers.SERVER_RESTART)
+        try:
+            await waiting
+        except DispatchError as exc:
+            return exc.status, exc.retry_after
+        raise AssertionError("the request did not fail")
+
+    from gateway.dispatch import DispatchError
+
+    assert async_to_sync(scenario)() == (503, 1)

@@ -158,6 +158,8 @@ def start_canary(client, **extra) -> int:
 
 
 def test_a_weight_beyond_the_plans_bounds_needs_an_approval(team):
+    policy = {"max_weight_without_approval": 30}
+    assert as_user(team.ann).put("/api/v1/policy", policy, format="json").status_code == 200
     engineer = as_user(team.engineer_a)
     plan_id = start_canary(engineer, max_weight=25)
     within = engineer.post(f"/api/v1/rollouts/{plan_id}/weight", {"weight": 25}, format="json")
@@ -342,7 +344,7 @@ def test_an_approval_racing_a_rollback_ends_in_one_state(live_team):
     for _round in range(3):
         version = model.versions.get(version=2)
         plan = actions.start_plan(
-            model, "canary", version, GUARDRAILS, user_actor(requester), weight=100
+            model, "canary", version, GUARDRAILS, user_actor(requester), weight=10
         )
         request_id = as_user(requester).post(f"/api/v1/rollouts/{plan.pk}/promotion").json()["id"]
         url = f"/api/v1/approvals/{request_id}/approve"

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.backends
 
 def test_bootstrap_demo_twice_sets_up_an_autoscaled_deployment(db, monkeypatch):
     monkeypatch.setenv("SWITCHYARD_DEMO_TEXT_SECONDS", "1")
+    monkeypatch.setenv("SWITCHYARD_DEMO_LLAMA_SECONDS", "1")
     call_command("bootstrap_demo", stdout=open("/dev/null", "w"))
     call_command("bootstrap_demo", stdout=open("/dev/null", "w"))
     deployment = Deployment.objects.get()
@@ -22,5 +23,8 @@ def test_bootstrap_demo_twice_sets_up_an_autoscaled_deployment(db, monkeypatch):
     # The demo's hand-run agent serves the other models; replicas serve the deployed one.
     node = Node.objects.get(name="local")
     served = {s.model for s in assignment_for(node, make_session(node).pk)}
-    assert served == {"fraud-detector", "storyteller"}
-    assert Model.objects.count() == 3
+    assert served == {"fraud-detector", "storyteller", "llama-storyteller", "minilm"}
+    assert Model.objects.get(name="llama-storyteller").versions.get().format == "hf"
+    assert Model.objects.count() == 5
+    minilm = Model.objects.get(name="minilm")
+    assert minilm.task == "embedding" and minilm.versions.get().tokenizer_sha256

@@ -148,7 +148,14 @@ def test_kustomize_output_validates():
             assert doc["metadata"]["namespace"] == "switchyard"
         if doc["kind"] in WORKLOAD_KINDS:
             for c in _containers(doc):
-                assert c["image"] == "ghcr.io/switchyard/switchyard:0.1.0"
+                # Agents run the agent's own CUDA image (agent/Dockerfile.cuda), the rest the
+                # platform's.
+                expected = (
+                    "ghcr.io/switchyard/switchyard-agent:0.1.0-cuda"
+                    if c["name"] == "agent"
+                    else "ghcr.io/switchyard/switchyard:0.1.0"
+                )
+                assert c["image"] == expected
 
 
 def test_kustomization_lists_every_manifest_but_the_example_secret():
@@ -162,6 +169,7 @@ def test_kustomization_lists_every_manifest_but_the_example_secret():
     assert all(d["kind"] != "Secret" for f, d in _objects() if f in listed)
     images = {i["name"]: i for i in kustomization["images"]}
     assert "ghcr.io/switchyard/switchyard" in images
+    assert images["ghcr.io/switchyard/switchyard-agent"]["newTag"] == "0.1.0-cuda"
 
 
 def test_namespaced_objects_live_in_switchyard():

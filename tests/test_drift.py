@@ -1,6 +1,7 @@
 """Drift: PSI and KS on generated data with known shifts, categorical features, data-quality
 counts, references (uploaded, a past window, with the version), reports and alerts, the API with
-roles and tenant isolation, and the canary guardrail that rolls a drifting candidate back."""
+roles and tenant isolation, and the canary guardrail that rolls back a candidate whose scores
+drift from the baseline's on the same traffic."""
 
 from __future__ import annotations
 
@@ -333,37 +334,55 @@ def healthy_traffic(plan) -> None:
         )
 
 
-def test_a_drifting_candidate_is_rolled_back_by_the_guardrails(plan, rng):
+def test_input_drift_that_hits_both_arms_does_not_roll_the_candidate_back(plan, rng):
+    # The traffic itself moved (age +20 years): against its reference the candidate drifted,
+    # which the former guardrail rolled back for; against the baseline on the same traffic it
+    # behaves the same, so the plan goes on.
     healthy_traffic(plan)
-    log_rows(plan.candidate, sample(rng, 400, age_mean=60), at=timezone.now())
+    now = timezone.now()
+    log_rows(plan.baseline, sample(rng, 400, age_mean=60), at=now)
+    log_rows(plan.candidate, sample(rng, 400, age_mean=60), at=now)
     assert drift.detect_drift(plan.candidate).flagged == ["age"]
     verdict = evaluate(plan)
+    assert verdict.action == "hold", verdict.reason  # healthy, baking
+    plan.refresh_from_db()
+    assert plan.state == PlanState.RUNNING
+
+
+def test_a_candidate_whose_scores_differ_from_the_baselines_is_rolled_back(plan, rng):
+    healthy_traffic(plan)
+    now = timezone.now()
+    log_rows(plan.baseline, sample(rng, 400), at=now)
+    log_rows(plan.candidate, sample(rng, 400, score_a=6.0), at=now)  # same inputs, new scores
+    verdict = evaluate(plan)
     assert verdict.action == "rollback"
-    assert verdict.reason.startswith("drift: age PSI") and "threshold 0.2" in verdict.reason
+    assert verdict.reason.startswith("drift: score PSI") and "threshold 0.2" in verdict.reason
+    assert "vs the baseline's on the same traffic" in verdict.reason
     plan.refresh_from_db()
     assert plan.state == PlanState.ROLLED_BACK
-    assert "age PSI" in AuditEvent.objects.get(action="plan.rollback").reason
+    assert "score PSI" in AuditEvent.objects.get(action="plan.rollback").reason
 
 
 def test_the_plans_own_drift_limit_wins_and_null_turns_it_off(plan, rng):
     healthy_traffic(plan)
-    log_rows(plan.candidate, sample(rng, 400, age_mean=60), at=timezone.now())
-    report = drift.detect_drift(plan.candidate)
-    plan.guardrails = RAILS | {"max_drift_psi": report.max_psi + 1}
+    now = timezone.now()
+    log_rows(plan.baseline, sample(rng, 400), at=now)
+    log_rows(plan.candidate, sample(rng, 400, score_a=6.0), at=now)
+    measured = drift.compare_arms(plan.baseline_id, plan.candidate_id, plan.created_at, now, 0.2)
+    assert measured is not None and measured.score_psi is not None
+    plan.guardrails = RAILS | {"max_drift_psi": measured.score_psi + 1}
     assert evaluate(plan).action == "hold"  # healthy, baking
     plan.guardrails = RAILS | {"max_drift_psi": None}
     assert evaluate(plan).action == "hold"
-    plan.guardrails = RAILS | {"max_drift_psi": report.max_psi / 2}
+    plan.guardrails = RAILS | {"max_drift_psi": measured.score_psi / 2}
     assert evaluate(plan).action == "rollback"
 
 
-def test_a_report_from_before_the_plan_does_not_count(plan, rng):
+def test_predictions_from_before_the_plan_do_not_count(plan, rng):
     healthy_traffic(plan)
-    log_rows(plan.candidate, sample(rng, 400, age_mean=60), at=timezone.now())
-    report = drift.detect_drift(plan.candidate)
-    DriftReport.objects.filter(pk=report.pk).update(
-        created_at=plan.created_at - timedelta(seconds=1)
-    )
+    before = plan.created_at - timedelta(seconds=1)
+    log_rows(plan.baseline, sample(rng, 400), at=before)
+    log_rows(plan.candidate, sample(rng, 400, score_a=6.0), at=before)
     assert evaluate(plan).action == "hold"
 
 

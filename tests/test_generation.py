@@ -175,6 +175,33 @@ def test_tokens_stream_then_a_done_frame_with_usage(writer, state):
     assert usage["ttft_ms"] is not None and usage["total_ms"] >= usage["ttft_ms"]
 
 
+def test_inter_token_latency_is_observed_per_token_after_the_first(writer, state):
+    """One observation per token after the first, whose sum is the time from the first chunk
+    to the last as the gateway saw it."""
+    from gateway import metrics
+
+    child = metrics.ITL.labels(writer.a.slug, "writer", "1")
+
+    def observed() -> tuple[float, float]:
+        samples = {s.name: s.value for s in child.collect()[0].samples}
+        return samples["switchyard_generation_inter_token_latency_seconds_count"], samples[
+            "switchyard_generation_inter_token_latency_seconds_sum"
+        ]
+
+    async def scenario():
+        FakeAgent(state(), writer.version.pk, delay=0.01)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "call me"})
+            return await frames_until_end(ws, "g")
+
+    count, total = observed()
+    usage = run(scenario)[-1]["usage"]
+    count_after, total_after = observed()
+    assert count_after - count == usage["output_tokens"] - 1 == 6
+    decode_s = (usage["total_ms"] - usage["ttft_ms"]) / 1000
+    assert 6 * 0.01 <= total_after - total <= decode_s  # each chunk came >= 10 ms after the last
+
+
 def test_several_generations_share_one_socket(writer, state):
     async def scenario():
         FakeAgent(state(), writer.version.pk, delay=0.005)

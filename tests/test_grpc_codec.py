@@ -5,16 +5,18 @@ form the request used. Seeded random requests stand in for hostile clients."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import grpc
 import numpy as np
 import pytest
+from django.conf import settings
 
 from gateway.grpc_codec import grpc_code, parse_infer, render_infer, request_parameters
 from gateway.pipeline import ApiError
 from gateway.proto import grpc_predict_v2_pb2 as pb
 from gateway.routes import InputSpec, Route
-from serving_agent.protocol import OIP_TO_NUMPY
+from serving_agent.protocol import OIP_TO_NUMPY, pack_bytes
 
 
 def route(*inputs: tuple[str, str, tuple[int, ...]]) -> Route:
@@ -147,7 +149,7 @@ def both_forms() -> pb.ModelInferRequest:
         (pb.ModelInferRequest(model_name="clf"), "inputs: must hold at least one tensor"),
         (typed(name="z"), "unknown input 'z'"),
         (typed(datatype="INT64"), "expects FP32, got INT64"),
-        (typed(datatype="BYTES"), "unsupported datatype 'BYTES'"),
+        (typed(datatype="BYTES"), "the model expects FP32, got BYTES"),
         (typed(datatype=""), "unsupported datatype ''"),
         (typed(np.arange(6, dtype=np.float32).reshape(2, 3)), "does not match the signature"),
         (typed(np.array([[np.nan, 0, 0, 0]], np.float32)), "contains NaN or infinity"),
@@ -297,8 +299,16 @@ def valid(rng: random.Random, where: Route, use_raw: bool) -> pb.ModelInferReque
     request = pb.ModelInferRequest(model_name="clf")
     for spec in where.inputs:
         shape = [d if d >= 0 else rng.randint(1, 3) for d in spec.shape]
-        values = np.array([rng.randint(0, 1) for _ in range(int(np.prod(shape)))], spec.dtype)
+        count = int(np.prod(shape))
         tensor = request.inputs.add(name=spec.name, datatype=spec.datatype, shape=shape)
+        if spec.datatype == "BYTES":
+            texts = [rng.choice(["", "héllo", "a b c"]).encode() for _ in range(count)]
+            if use_raw:
+                request.raw_input_contents.append(pack_bytes(np.array(texts, dtype=object)))
+            else:
+                tensor.contents.bytes_contents.extend(texts)
+            continue
+        values = np.array([rng.randint(0, 1) for _ in range(count)], spec.dtype)
         if use_raw:
             request.raw_input_contents.append(values.tobytes())
         else:
@@ -309,7 +319,7 @@ def valid(rng: random.Random, where: Route, use_raw: bool) -> pb.ModelInferReque
 def mutate(rng: random.Random, request: pb.ModelInferRequest) -> None:
     tensor = rng.choice(request.inputs)
     i = list(request.inputs).index(tensor)
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
     if kind == 0:
         tensor.name = rng.choice(["z", "", "x"])
     elif kind == 1:
@@ -332,10 +342,22 @@ def mutate(rng: random.Random, request: pb.ModelInferRequest) -> None:
         del request.inputs[i]
     elif kind == 8:
         request.raw_input_contents.append(b"extra")
+    elif kind == 9:  # BYTES: a length prefix past the end, invalid UTF-8, an oversized element
+        element = rng.choice([b"\xff\xfe", b"x" * (settings.SWITCHYARD_MAX_BYTES_ELEMENT + 1)])
+        prefix = rng.choice([b"\xff\xff\xff\x7f", b"\x02\x00\x00\x00"])
+        if i < len(request.raw_input_contents):
+            request.raw_input_contents[i] = prefix + element
+        else:
+            tensor.contents.bytes_contents[:] = [element]
 
 
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "UINT64": "uint64_contents"}
 CONTENTS["FP32"] = "fp32_contents"
+CONTENTS["BYTES"] = "bytes_contents"
+TEXT = replace(
+    route(("t", "BYTES", (-1,))),
+    inputs=(InputSpec("t", "BYTES", OIP_TO_NUMPY["BYTES"], (-1,), text=True),),
+)
 
 
 def hostile(rng: random.Random, where: Route) -> pb.ModelInferRequest:
@@ -348,8 +370,14 @@ def hostile(rng: random.Random, where: Route) -> pb.ModelInferRequest:
 
 @pytest.mark.parametrize(
     "where",
-    [ROUTE, route(("x", "INT8", (-1, -1))), route(("x", "BOOL", (-1,)), ("z", "UINT64", (4,)))],
-    ids=["fp32", "int8", "bool-and-uint64"],
+    [
+        ROUTE,
+        route(("x", "INT8", (-1, -1))),
+        route(("x", "BOOL", (-1,)), ("z", "UINT64", (4,))),
+        route(("b", "BYTES", (-1, 2)), ("x", "FP32", (-1, 4))),
+        TEXT,
+    ],
+    ids=["fp32", "int8", "bool-and-uint64", "bytes-and-fp32", "text"],
 )
 def test_seeded_hostile_requests_parse_or_are_refused_with_400(where):
     rng = random.Random(20261126)
@@ -369,5 +397,12 @@ def test_seeded_hostile_requests_parse_or_are_refused_with_400(where):
             assert list(array.shape) == list(tensor.shape)
             if array.dtype.kind == "f":
                 assert np.isfinite(array).all()
+            if spec.datatype == "BYTES":
+                values = array.ravel().tolist()
+                assert all(isinstance(v, bytes) for v in values)
+                assert all(len(v) <= settings.SWITCHYARD_MAX_BYTES_ELEMENT for v in values)
+                if spec.text:
+                    for v in values:
+                        v.decode()
     # The generator reaches both sides, so the property says something.
     assert parsed_ok > 300 and refused_count > 1000

@@ -240,7 +240,7 @@ def test_a_shape_whose_product_overflows_is_invalid_argument(site):
 
 
 def test_a_bad_version_is_invalid_argument(site):
-    request = triton_pb.ModelReadyRequest(name="clf", version="one")
+    request = triton_pb.ModelReadyRequest(name="clf", version="One")
     error = call(site, "ModelReady", request, bearer(site.key_a))
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "version must be a positive integer" in error.details()

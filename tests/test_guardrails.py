@@ -11,7 +11,7 @@ from monitoring.traffic import LATENCY_BOUNDS_MS, Counts, percentile_ms
 from rollouts.actions import Actor, start_plan
 from rollouts.approvals import approve
 from rollouts.guardrails import ArmStats, evaluate, judge
-from rollouts.models import ApprovalRequest, PlanState
+from rollouts.models import ApprovalRequest, PlanState, RolloutPolicy
 from rollouts.tasks import evaluate_rollouts
 from tenants.audit import user_actor
 from tenants.models import AuditEvent, Role
@@ -27,11 +27,12 @@ def stats(requests: int, errors: int = 0, latency_ms: float = 5.0) -> ArmStats:
     counts = Counts()
     for i in range(requests):
         counts.add(latency_ms / 1000, ok=i >= errors)
-    return ArmStats(counts.requests, counts.errors, tuple(counts.buckets))
+    return ArmStats(counts.requests, counts.errors, tuple(counts.buckets), counts.fine)
 
 
 def test_too_few_samples_waits_and_says_so():
-    verdict = judge(RAILS, stats(500), stats(40, errors=40), baked=True, last_step=False)
+    # 4 failures in 40 is bad but not egregious: wait for min_samples (the early abort below).
+    verdict = judge(RAILS, stats(500), stats(40, errors=4), baked=True, last_step=False)
     assert verdict.action == "wait" and "candidate 40/100" in verdict.reason
 
 
@@ -73,6 +74,7 @@ def plan(world, onnx_bytes):
     model = make_model(world.a, "clf")
     make_version(model, onnx_bytes)
     candidate = make_version(model, small_onnx(seed=2), alias=None)
+    RolloutPolicy.objects.create(tenant=world.a, max_weight_without_approval=50)  # steps to 50
     return start_plan(
         model,
         "canary",
@@ -95,6 +97,7 @@ def sample(version_id: int, requests: int, errors: int = 0) -> None:
         requests=requests,
         errors=errors,
         latency_buckets=counts.buckets,
+        latency_fine=counts.fine,
     )
 
 

@@ -83,6 +83,7 @@ def test_manifest_has_the_gpu_placement_labels_and_token_from_the_secret() -> No
     assert volume["secret"] == {
         "secretName": "sy-node-token-fraud",
         "items": [{"key": "token", "path": "token"}],
+        "defaultMode": 0o440,
     }
     assert agent["command"][:5] == [
         "python",
@@ -117,6 +118,31 @@ def test_cpu_only_template_has_no_accelerator_placement() -> None:
     ]["spec"]
     assert set(pod["containers"][0]["resources"]["limits"]) == {"cpu", "memory"}
     assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_agent_pods_are_probed_locked_down_and_tokenless() -> None:
+    pod = agent_deployment(make_template())["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    # The heartbeat the probes read is the one the agent is told to write.
+    command = container["command"]
+    alive = command[command.index("--alive-file") + 1]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe_command = container[probe]["exec"]["command"]
+        assert probe_command[1] == "/app/scripts/probe_alive.py" and probe_command[2] == alive
+    assert "--ready" in container["readinessProbe"]["exec"]["command"]
+    assert "--ready" not in container["livenessProbe"]["exec"]["command"]
+    # With a read-only root, the artifact cache and the heartbeat's directory are volumes.
+    cache = command[command.index("--cache-dir") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts[cache]]
+    assert "emptyDir" in volumes[mounts[alive.rsplit("/", 1)[0]]]
 
 
 def test_names_that_are_not_dns_labels_are_refused() -> None:

@@ -155,6 +155,29 @@ def test_fleet_metrics_come_from_live_heartbeats(world, onnx_bytes):
     assert gpu == {"switchyard_gpu_utilization_ratio": 0.4}
 
 
+@pytest.mark.django_db
+def test_scheduler_counts_of_a_heartbeat_are_counters_per_agent(world):
+    from fleet.models import AgentSession, Node
+    from serving_agent.protocol import Heartbeat
+
+    node = Node.objects.create(name="cpu-2", token_prefix="p2", token_hash="h")
+    beat = Heartbeat(expired_total=4, cancelled_total=2, shed_total=7)
+    session = AgentSession.objects.create(
+        node=node, channel_name="c2", deployment_name="", stats=beat.model_dump()
+    )
+    text = metrics.exposition().decode()
+    agent = {"agent": f"cpu-2#{session.pk}", "node": "cpu-2"}
+    found = {
+        reason: samples_of(text, "switchyard_agent_scheduler_dropped_total", reason=reason, **agent)
+        for reason in ("expired", "cancelled", "shed")
+    }
+    assert found == {
+        "expired": {"switchyard_agent_scheduler_dropped_total": 4.0},
+        "cancelled": {"switchyard_agent_scheduler_dropped_total": 2.0},
+        "shed": {"switchyard_agent_scheduler_dropped_total": 7.0},
+    }
+
+
 def test_trace_context_is_kept_or_started():
     kept = tracing.start_trace("req-1", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00")
     assert kept.request_id == "req-1" and kept.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -19,6 +19,7 @@ from monitoring.models import PredictionLog, TrafficSample
 from monitoring.traffic import Counts
 from registry.models import ReferenceSample
 from rollouts import actions
+from rollouts.models import RolloutPolicy
 from tenants.audit import Actor
 from tests.factories import make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx
@@ -90,6 +91,7 @@ def site(world, onnx_bytes, rng):
         drift.detect_drift(v1, now - timedelta(minutes=2)),
         drift.detect_drift(v1, now),
     ]
+    RolloutPolicy.objects.create(tenant=world.a, max_weight_without_approval=20)
     actions.start_plan(model, "canary", v2, RAILS, Actor(None, "test"), weight=20)
     for minutes in (1, 2, 3):
         traffic(v1, now - timedelta(minutes=minutes), 80, 0, 0.004)

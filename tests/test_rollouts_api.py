@@ -61,15 +61,15 @@ def test_weight_change_and_kill_switch_are_audited(world, two_versions):
     client = key_client(world.key_a)
     plan_id = start(client).json()["id"]
     moved = client.post(
-        f"/api/v1/rollouts/{plan_id}/weight", {"weight": 50, "reason": "bake ok"}, format="json"
+        f"/api/v1/rollouts/{plan_id}/weight", {"weight": 10, "reason": "bake ok"}, format="json"
     )
-    assert moved.status_code == 200 and moved.json()["weight"] == 50
+    assert moved.status_code == 200 and moved.json()["weight"] == 10
     killed = client.post(f"/api/v1/rollouts/{plan_id}/kill", {"reason": "errors"}, format="json")
     assert killed.json()["state"] == "rolled_back"
     assert active_split(world.a.pk, "clf", "production") is None
     events = [e for e in client.get("/api/v1/audit").json() if e["action"].startswith("plan.")]
     assert [e["action"] for e in events] == ["plan.kill", "plan.weight", "plan.start"]
-    assert events[1]["before"]["weight"] == 5 and events[1]["after"]["weight"] == 50
+    assert events[1]["before"]["weight"] == 5 and events[1]["after"]["weight"] == 10
     assert events[0]["reason"] == "errors"
     again = client.post(f"/api/v1/rollouts/{plan_id}/kill", {}, format="json")
     assert again.status_code == 409 and "already rolled_back" in again.json()["error"]

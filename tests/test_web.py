@@ -116,7 +116,7 @@ def test_rollout_page_gives_engineers_the_slider_and_viewers_a_disabled_one(site
     assert 'aria-label="Candidate weight" disabled' in viewer
     assert 'aria-label="Candidate weight" disabled' not in engineer
     assert 'data-action="kill"' in engineer and 'data-action="kill"' not in viewer
-    assert "up to 50 % directly" in engineer
+    assert "up to 10 % directly" in engineer  # the rollout policy's default
     assert 'id="snapshot"' in engineer and "vendor/plotly.min.js" in engineer
 
 

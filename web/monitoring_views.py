@@ -10,12 +10,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db.models import Sum
 from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.http import HttpResponse, JsonResponse
+from django.shortcuts import redirect
 from django.utils import timezone
 
+from monitoring.drift import set_reference_window
 from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
 from monitoring.slo import bucket_count, burn_series, model_slos
 from monitoring.traffic import N_BUCKETS, ArmStats
@@ -23,9 +26,11 @@ from registry.access import model_for, models_of
 from registry.models import Model, ModelVersion, ReferenceSample
 from rollouts.arms import plan_arms
 from rollouts.models import ACTIVE_STATES
+from tenants.audit import user_actor
 from tenants.members import can_write
 
 from .pages import TenantRequest, page, tenant_view
+from .selfservice import error_messages, reference_window, writer_view
 
 DRIFT_CHART = timedelta(hours=24)
 TRAFFIC_CHART = timedelta(hours=3)
@@ -36,11 +41,19 @@ SCORE = "score"  # the report's entry on the output scores, next to the features
 # Drift ---------------------------------------------------------------------------------------
 
 
+def version_number(text: str | None) -> int | None:
+    """A version number from a query or form field; None for anything else, including digits
+    ``int()`` refuses ("²") and numbers past any integer column (a database error otherwise)."""
+    text = (text or "").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
+
+
 def chosen_version(model: Model, number: str | None) -> ModelVersion | None:
     """The version asked for, else the one ``production`` points at, else the newest."""
     versions = model.versions.all()
-    if number and number.isdigit():
-        found = versions.filter(version=int(number)).first()
+    wanted = version_number(number)
+    if wanted is not None:
+        found = versions.filter(version=wanted).first()
         if found is not None:
             return found
     alias = model.aliases.filter(name="production").select_related("version").first()
@@ -276,6 +289,42 @@ def drift_data(request: TenantRequest, name: str) -> JsonResponse:
     model = _model(request, name)
     return JsonResponse(
         drift_snapshot(model, request.GET.get("version"), request.GET.get("feature"))
+    )
+
+
+@writer_view
+def set_drift_reference(request: TenantRequest, name: str) -> HttpResponse:
+    """The drift page's "Set drift reference" form: a past window of a version's logged
+    predictions becomes its reference (``monitoring.drift.set_reference_window``, audited)."""
+    model = model_for(request.membership.tenant_id, name)
+    post = {k: request.POST.get(k, "") for k in ("version", "mode", "hours")}
+    post |= {k: request.POST.get(k, "") for k in ("window_start", "window_end")}
+    number = version_number(post["version"])
+    version = None if number is None else model.versions.filter(version=number).first()
+    errors: dict[str, str] = {}
+    if version is None:
+        errors = {"version": "choose a version of this model"}
+    else:
+        try:
+            start, end = reference_window(post, timezone.now())
+            actor = user_actor(request.user, request.membership.role)
+            sample = set_reference_window(version, start, end, actor)
+        except ValidationError as exc:
+            errors = error_messages(exc.message_dict)
+        else:
+            return redirect(
+                f"/models/{model.name}/drift/?version={version.version}&reference={sample.rows}"
+            )
+    snapshot = drift_snapshot(model, post["version"], None)
+    return page(
+        request,
+        "drift.html",
+        {
+            "model": model,
+            "snapshot": snapshot,
+            "reference_form": {"values": post, "errors": errors},
+        },
+        status=400,
     )
 
 

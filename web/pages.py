@@ -43,7 +43,9 @@ def tenant_view(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
     return wrapper
 
 
-def page(request: TenantRequest, template: str, context: dict[str, Any]) -> HttpResponse:
+def page(
+    request: TenantRequest, template: str, context: dict[str, Any], status: int = 200
+) -> HttpResponse:
     """Render with what the layout needs: the tenant switcher, the role, the inbox count and
     the open alerts' count."""
     membership = request.membership
@@ -59,4 +61,5 @@ def page(request: TenantRequest, template: str, context: dict[str, Any]) -> Http
             "open_alert_count": open_alerts(membership.tenant_id).count(),
             **context,
         },
+        status=status,
     )

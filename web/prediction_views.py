@@ -4,7 +4,7 @@ paged, and a chart of online quality per version and arm over time."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 from urllib.parse import urlencode
 
@@ -53,7 +53,8 @@ def model_predictions(request: TenantRequest, name: str) -> HttpResponse:
     bucket = request.GET.get("bucket", "hour")
     if bucket not in BUCKETS:
         bucket = "hour"
-    since = timezone.now() - QUALITY_WINDOW[bucket]
+    now = timezone.now()
+    since = now - QUALITY_WINDOW[bucket]
     series = online_quality(model.tenant_id, model, since, bucket)
     return page(
         request,
@@ -67,7 +68,7 @@ def model_predictions(request: TenantRequest, name: str) -> HttpResponse:
             "page_obj": rows_page,
             "rows": [display_row(r) for r in rows_page],
             "bucket": bucket,
-            "chart": quality_chart(model.task, series),
+            "chart": quality_chart(model.task, series, (since, now)),
             "totals": quality_totals(series),
         },
     )
@@ -104,8 +105,12 @@ def _first(values: list[Any] | dict[str, Any]) -> str:
 METRICS = {"classifier": ("accuracy", "auc"), "regressor": ("mae",)}
 
 
-def quality_chart(task: str, series: list[dict[str, Any]]) -> dict[str, Any]:
-    """Plotly-ready lines: one per version and arm, with the metric per bucket."""
+def quality_chart(
+    task: str, series: list[dict[str, Any]], window: tuple[datetime, datetime]
+) -> dict[str, Any]:
+    """Plotly-ready lines: one per version and arm, with the metric per bucket, and the time
+    axis's range: the whole window, so one bucket is a point on a readable axis (left to
+    itself, Plotly spreads one date over a millisecond and labels its ticks in microseconds)."""
     lines: dict[str, dict[str, Any]] = {}
     metrics = METRICS.get(task, ())
     for point in series:
@@ -117,7 +122,12 @@ def quality_chart(task: str, series: list[dict[str, Any]]) -> dict[str, Any]:
         line["labelled_rows"].append(point["labelled_rows"])
         for metric in metrics:
             line[metric].append(point.get(metric))
-    return {"task": task, "metrics": list(metrics), "lines": list(lines.values())}
+    return {
+        "task": task,
+        "metrics": list(metrics),
+        "lines": list(lines.values()),
+        "range": [window[0].isoformat(), window[1].isoformat()],
+    }
 
 
 def quality_totals(series: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,7 +14,15 @@ from monitoring.traffic import timeseries, versions_summary
 from registry.access import models_of
 from registry.models import Model
 from rollouts.arms import plan_arm_metrics, plan_arms
-from rollouts.models import ACTIVE_STATES, PlanMode, RolloutPlan
+from rollouts.models import (
+    ACTIVE_STATES,
+    OPEN_REQUEST_STATES,
+    ApprovalRequest,
+    PlanMode,
+    PlanState,
+    RequestKind,
+    RolloutPlan,
+)
 from rollouts.shadow import shadow_summary
 
 
@@ -94,19 +102,71 @@ def dashboard_snapshot(tenant_id: int) -> dict[str, Any]:
     }
 
 
+def plan_timeline(plan: RolloutPlan, requests: list[ApprovalRequest]) -> dict[str, Any]:
+    """The canary's steps as the rollout page's timeline draws them, Argo-style: each step
+    done, current, upcoming, waiting for approval (an open weight request for it) or skipped
+    (the plan ended before it), then the end state. The current step's bake ends at
+    ``bake_ends_at``; the page counts down to it."""
+    open_weights = {
+        float(r.weight)
+        for r in requests
+        if r.kind == RequestKind.WEIGHT and r.state in OPEN_REQUEST_STATES and r.weight is not None
+    }
+    promotion_open = any(
+        r.kind == RequestKind.PROMOTION and r.state in OPEN_REQUEST_STATES for r in requests
+    )
+    # A weight set by hand between two steps (or the first weight) is shown where it stands.
+    weights = sorted({float(s) for s in plan.steps} | open_weights | ({plan.weight} - {0.0}))
+    steps = []
+    for weight in weights:
+        if plan.state == PlanState.PROMOTED or (plan.is_active and weight < plan.weight):
+            state = "done"
+        elif plan.is_active and weight == plan.weight:
+            state = "current"
+        elif not plan.is_active:
+            state = "skipped"
+        elif weight in open_weights:
+            state = "approval"
+        else:
+            state = "upcoming"
+        # Above max_weight the plan cannot move on its own: an approver must agree.
+        steps.append({"weight": weight, "state": state, "gated": weight > plan.max_weight})
+    if plan.state == PlanState.PROMOTED:
+        end = "promoted"
+    elif plan.state == PlanState.ROLLED_BACK:
+        end = "rolled_back"
+    else:
+        end = "approval" if promotion_open else "upcoming"
+    running = plan.state == PlanState.RUNNING
+    bake_end = plan.step_started_at + timedelta(seconds=plan.bake_seconds)
+    return {
+        "steps": steps,
+        "end": end,
+        "bake_seconds": plan.bake_seconds,
+        "bake_ends_at": bake_end.isoformat() if running else None,
+        # The browser's clock may be off: the countdown runs from the server's now.
+        "now": timezone.now().isoformat(),
+    }
+
+
 def plan_snapshot(plan: RolloutPlan) -> dict[str, Any]:
     """A plan's state, split, per-arm numbers for the current step and 15 minutes of series."""
     numbers = dict(plan.model.versions.values_list("pk", "version"))
+    requests = list(plan.requests.all()[:10])
     return {
         "id": plan.pk,
         "state": plan.state,
         "active": plan.is_active,
         "weight": plan.weight,
         "status_note": plan.status_note,
+        "ab_result": plan.ab_result,
         "step_started_at": plan.step_started_at.isoformat(),
         "split": plan_split(plan, numbers),
         "arms": plan_arm_metrics(plan, since=plan.step_started_at),
-        "series": timeseries({name: vid for name, vid, _ in plan_arms(plan)}),
+        "series": timeseries(
+            {name: vid for name, vid, _ in plan_arms(plan)},
+            plan_id=plan.pk if plan.mode == PlanMode.AB else None,
+        ),
         "shadow": shadow_summary(plan) if plan.mode == PlanMode.SHADOW else None,
         "requests": [
             {
@@ -118,8 +178,9 @@ def plan_snapshot(plan: RolloutPlan) -> dict[str, Any]:
                 "requested_by": r.requested_label,
                 "created_at": r.created_at.isoformat(),
             }
-            for r in plan.requests.all()[:10]
+            for r in requests
         ],
+        "timeline": plan_timeline(plan, requests) if plan.mode == PlanMode.CANARY else None,
     }
 
 

@@ -1,13 +1,18 @@
+from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import monitoring_views, prediction_views, views
+from . import alias_views, keys_views, monitoring_views, prediction_views, views
 
 urlpatterns = [
     path("", views.home, name="home"),
     path(
         "login/",
-        auth_views.LoginView.as_view(template_name="login.html", redirect_authenticated_user=True),
+        auth_views.LoginView.as_view(
+            template_name="login.html",
+            redirect_authenticated_user=True,
+            extra_context={"sso_enabled": settings.SSO_ENABLED},
+        ),
         name="login",
     ),
     path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
@@ -33,4 +38,27 @@ urlpatterns += [
     path("slo/", monitoring_views.slo, name="slo"),
     path("slo/data/", monitoring_views.slo_data, name="slo-data"),
     path("alerts/", monitoring_views.alerts, name="alerts"),
+]
+
+# An alias's history and its break-glass rollback (web.alias_views).
+urlpatterns += [
+    path("models/<str:name>/aliases/<str:alias>/", alias_views.alias_detail, name="alias"),
+]
+
+# Self-service forms (web.selfservice); the version upload goes to the REST API directly.
+urlpatterns += [
+    path("models/", views.create_model, name="create-model"),
+    path(
+        "models/<str:name>/drift/reference/",
+        monitoring_views.set_drift_reference,
+        name="drift-reference",
+    ),
+]
+
+# API keys (web.keys_views).
+urlpatterns += [
+    path("keys/", keys_views.keys, name="keys"),
+    path("keys/create/", keys_views.create_key, name="key-create"),
+    path("keys/<int:key_id>/revoke/", keys_views.revoke_key, name="key-revoke"),
+    path("keys/<int:key_id>/rotate/", keys_views.rotate_key, name="key-rotate"),
 ]

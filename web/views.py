@@ -7,20 +7,24 @@ from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
+from registry import services
 from registry.access import model_for
+from registry.api.serializers import ModelSerializer
 from rollouts.access import approval_for, approvals_of, plan_for
 from rollouts.approvals import evidence_of
 from rollouts.models import PlanMode, RequestState
-from tenants.audit import audit_events
+from tenants.audit import audit_events, user_actor
 from tenants.members import SESSION_KEY, memberships_of
 from tenants.models import AuditEvent, Role
 
 from .pages import TenantRequest, page, tenant_view
+from .selfservice import error_messages, model_form_context, writer_view
 from .snapshots import dashboard_snapshot, fleet_snapshot, plan_snapshot
 
 AUDIT_PAGE_SIZE = 50
@@ -29,7 +33,42 @@ LIST_PAGES = ("/", "/fleet/", "/approvals/", "/audit/", "/slo/", "/alerts/")
 
 @tenant_view
 def home(request: TenantRequest) -> HttpResponse:
-    return page(request, "home.html", {"snapshot": dashboard_snapshot(_tenant_id(request))})
+    context = {"snapshot": dashboard_snapshot(_tenant_id(request))} | model_form_context()
+    return page(request, "home.html", context)
+
+
+MODEL_FIELDS = ("name", "task", "description")
+
+
+@writer_view
+def create_model(request: TenantRequest) -> HttpResponse:
+    """The home page's "New model" form: ``ModelSerializer`` validates it (as the API does),
+    ``registry.services.create_model`` stores and audits it."""
+    values = {f: request.POST.get(f, "").strip() for f in MODEL_FIELDS}
+    serializer = ModelSerializer(data=values)
+    errors: dict[str, str] = {}
+    if not serializer.is_valid():
+        errors = error_messages(serializer.errors)
+    else:
+        data = dict(serializer.validated_data)
+        try:
+            model = services.create_model(
+                request.membership.tenant_id,
+                user_actor(request.user, request.membership.role),
+                data.pop("name"),
+                data.pop("task"),
+                **data,
+            )
+        except services.DuplicateName as exc:
+            errors = {exc.field: str(exc)}
+        except ValidationError as exc:
+            errors = error_messages(exc.message_dict)
+        else:
+            return redirect("model", model.name)
+    context = model_form_context(values)
+    context["model_form"]["errors"] = errors
+    context["snapshot"] = dashboard_snapshot(request.membership.tenant_id)
+    return page(request, "home.html", context, status=400)
 
 
 @tenant_view

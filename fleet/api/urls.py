@@ -10,4 +10,5 @@ urlpatterns = [
     path("agents", views.AgentListView.as_view()),
     # Agents download the artifacts of versions assigned to their node (node token).
     path("agent/artifacts/<int:version_id>", views.ArtifactView.as_view()),
+    path("agent/tokenizers/<int:version_id>", views.TokenizerView.as_view()),
 ]

@@ -129,6 +129,18 @@ class AgentListView(APIView):
         return Response(AgentSerializer(agents, many=True).data)
 
 
+def node_download(request: Request, version_id: int, what: str) -> ModelVersion | Response:
+    """The version a node token may download a file of, or the answer refusing it."""
+    node = authenticate_node(bearer(request.META.get("HTTP_AUTHORIZATION")))
+    if node is None:
+        return Response(
+            {"error": "invalid node token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+    if not may_download(node, version_id):
+        raise NotFound(f"no such {what} for this node")
+    return ModelVersion.objects.get(pk=version_id)
+
+
 class ArtifactView(APIView):
     """Agents download the artifacts of versions assigned to their node (node token)."""
 
@@ -137,16 +149,29 @@ class ArtifactView(APIView):
 
     @extend_schema(exclude=True)
     def get(self, request: Request, version_id: int) -> Response | FileResponse:
-        node = authenticate_node(bearer(request.META.get("HTTP_AUTHORIZATION")))
-        if node is None:
-            return Response(
-                {"error": "invalid node token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
-            )
-        if not may_download(node, version_id):
-            raise NotFound("no such artifact for this node")
-        version = ModelVersion.objects.get(pk=version_id)
+        version = node_download(request, version_id, "artifact")
+        if isinstance(version, Response):
+            return version
         response = FileResponse(
             version.artifact.open("rb"), content_type="application/octet-stream"
         )
         response["X-Artifact-Sha256"] = version.sha256
+        return response
+
+
+class TokenizerView(APIView):
+    """Agents download the tokenizer attached to a version assigned to their node."""
+
+    authentication_classes = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(exclude=True)
+    def get(self, request: Request, version_id: int) -> Response | FileResponse:
+        version = node_download(request, version_id, "tokenizer")
+        if isinstance(version, Response):
+            return version
+        if not version.tokenizer:
+            raise NotFound("this version has no tokenizer")
+        response = FileResponse(version.tokenizer.open("rb"), content_type="application/json")
+        response["X-Artifact-Sha256"] = version.tokenizer_sha256
         return response

@@ -27,6 +27,10 @@ T = TypeVar("T")
 
 TOKEN_DIR = "/var/run/secrets/switchyard"
 REVISION_HISTORY_LIMIT = 3
+# The agent image's user (deploy/agent-gpu.yaml), its artifact cache and its heartbeat file.
+AGENT_UID = 10001
+CACHE_DIR = "/var/cache/switchyard-agent"
+ALIVE_FILE = "/tmp/switchyard-alive"
 # Label values are at most 63 characters, and the name is one (switchyard.io/deployment).
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -64,13 +68,43 @@ def agent_deployment(template: AgentTemplate) -> dict[str, Any]:
             t.platform_url,
             "--token-file",
             f"{TOKEN_DIR}/token",
+            "--cache-dir",
+            CACHE_DIR,
+            "--alive-file",
+            ALIVE_FILE,
         ],
         # The replica names its deployment in its hello: the platform assigns it that version.
         "env": [{"name": "SWITCHYARD_DEPLOYMENT", "value": t.name}],
         "resources": resources,
-        "volumeMounts": [{"name": "node-token", "mountPath": TOKEN_DIR, "readOnly": True}],
+        # The agent refreshes its heartbeat file every 5 s from the loop that serves requests
+        # (scripts/probe_alive.py reads it, standard-library Python): alive while refreshed
+        # within 60 s, ready while its platform link is also open; startup allows 3 minutes.
+        "startupProbe": _alive_probe(60, period_s=5, failures=36),
+        "livenessProbe": _alive_probe(60, period_s=20, failures=3),
+        "readinessProbe": _alive_probe(30, period_s=10, failures=3, ready=True),
+        # Model code runs here: no root, no privilege escalation, no capabilities, and a
+        # read-only root filesystem (artifacts go to the cache volume, the heartbeat to /tmp).
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "node-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
     pod_spec: dict[str, Any] = {
+        # Agents never call the Kubernetes API: no token for model code to steal.
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": AGENT_UID,
+            "runAsGroup": AGENT_UID,
+            "fsGroup": AGENT_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": [
             {
@@ -78,8 +112,12 @@ def agent_deployment(template: AgentTemplate) -> dict[str, Any]:
                 "secret": {
                     "secretName": t.token_secret,
                     "items": [{"key": "token", "path": "token"}],
+                    # Readable by the agent's group (fsGroup) only; 288 is octal 0440.
+                    "defaultMode": 288,
                 },
-            }
+            },
+            {"name": "cache", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
         ],
     }
     if t.node_selector:
@@ -96,6 +134,20 @@ def agent_deployment(template: AgentTemplate) -> dict[str, Any]:
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
+    }
+
+
+def _alive_probe(
+    max_age_s: int, period_s: int, failures: int, ready: bool = False
+) -> dict[str, Any]:
+    command = ["python", "/app/scripts/probe_alive.py", ALIVE_FILE, "--max-age", str(max_age_s)]
+    if ready:
+        command.append("--ready")
+    return {
+        "exec": {"command": command},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
     }
 
 

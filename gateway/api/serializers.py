@@ -28,6 +28,11 @@ class PredictResponse(serializers.Serializer):
     version = serializers.IntegerField()
     predictions = serializers.ListField(help_text="The first output, one entry per row.")
     outputs = serializers.DictField(help_text="Every output asked for: name → nested list.")
+    class_labels = serializers.DictField(
+        required=False,
+        help_text="A classifier's probability outputs: output name → the class label of each "
+        "column.",
+    )
     arm = serializers.CharField(
         required=False, help_text="The rollout arm that answered, while a plan routes the model."
     )

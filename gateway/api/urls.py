@@ -8,7 +8,8 @@ from .predict_app import PREDICT, PREDICT_VERSION
 urlpatterns = [
     path("models/<str:name>/predict", views.PredictView.as_view(), name=PREDICT),
     path(
-        "models/<str:name>/versions/<int:version>/predict",
+        # A version number or an alias name (the same rule as OIP's /versions/{v}).
+        "models/<str:name>/versions/<str:version>/predict",
         views.PredictView.as_view(),
         name=PREDICT_VERSION,
     ),

@@ -27,7 +27,8 @@ def _error(description: str) -> OpenApiResponse:
 
 
 class PredictView(APIView):
-    """``POST /api/v1/models/{name}/predict`` (and ``/versions/{v}/predict``)."""
+    """``POST /api/v1/models/{name}/predict`` (and ``/versions/{v}/predict``, ``{v}`` a version
+    number or an alias name)."""
 
     # Named for the schema (a Bearer API key); ``answer`` authenticates through the pipeline's
     # in-process key cache, so DRF's own authentication never runs here.
@@ -58,9 +59,12 @@ class PredictView(APIView):
         request=PredictRequest,
         responses={
             200: PredictResponse,
-            400: _error("The body is not valid JSON or does not fit the model's signature."),
+            400: _error(
+                "The body is not valid JSON or does not fit the model's signature, or the "
+                "version is neither a positive integer nor a valid alias name."
+            ),
             401: _error("No API key, or an invalid or revoked one."),
-            404: _error("No such model (or version) in the key's tenant."),
+            404: _error("No such model (or version, or alias) in the key's tenant."),
             413: _error("The body is larger than SWITCHYARD_MAX_BODY_BYTES."),
             415: _error("The body is not JSON."),
             429: _error("The tenant's rate limit is spent: retry after `Retry-After` seconds."),
@@ -72,14 +76,15 @@ class PredictView(APIView):
         auth=[{"apiKey": []}],  # type: ignore[list-item]
         examples=[OpenApiExample("named features", value={"instances": [{"amount": 12.5}]})],
         description="Bearer API key required. Runs the model behind the `production` alias "
-        "(or the version named in the URL). JSON only.",
+        "and its rollout plan; `/versions/{version}/predict` names a version number, or an "
+        "alias name (`staging`), which goes through that alias's own rollout plan. JSON only.",
     )
-    async def post(self, request: Request, name: str, version: int | None = None) -> Response:
+    async def post(self, request: Request, name: str, version: str | None = None) -> Response:
         # For the schema only (dispatch answers POST); a coroutine, as Django serves the view
         # as async only when all its handlers are.
         raise AssertionError("dispatch answers POST")
 
-    async def predict(self, request: HttpRequest, name: str, version: int | None) -> HttpResponse:
+    async def predict(self, request: HttpRequest, name: str, version: str | None) -> HttpResponse:
         async def body() -> bytes:
             try:
                 return request.body

@@ -90,6 +90,8 @@ def feedback_items(data: object) -> list[dict]:
 
 class FeedbackView(APIView):
     permission_classes = [TenantRolePermission]
+    # Labels are data an application sends beside its predictions, with its inference key.
+    write_scope = "predict"
     parser_classes = [JSONParser]
 
     @extend_schema(

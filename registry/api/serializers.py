@@ -12,7 +12,7 @@ from rest_framework import serializers
 
 from platform_site.api import JSONTextField
 
-from ..models import Alias, ArtifactFormat, Model, ModelVersion
+from ..models import Alias, AliasChange, ArtifactFormat, Model, ModelVersion
 from ..reference import normalize_reference, rows_from_csv
 from ..services import LADDER_FIELDS, MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
 
@@ -60,15 +60,18 @@ class VersionSerializer(serializers.ModelSerializer):
             "inputs",
             "outputs",
             "feature_names",
+            "allow_missing",
             "source_commit",
             "training_data_hash",
             "parent",
+            "tokenizer_sha256",
             "offline_metrics",
             "personal_fields",
             "description",
             "max_batch_size",
             "max_queue_delay_ms",
             "max_queue",
+            "max_queue_per_caller",
             "device",
             "max_input_tokens",
             "max_output_tokens",
@@ -160,6 +163,11 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     JSON-valued fields arrive as JSON strings."""
 
     artifact = serializers.FileField()
+    tokenizer = serializers.FileField(
+        required=False,
+        help_text="a tokenizer.json (Hugging Face tokenizers) for an ONNX model taking "
+        "input_ids/attention_mask/token_type_ids: the version then takes a BYTES text input",
+    )
     format = serializers.ChoiceField(choices=ArtifactFormat.choices, default=ArtifactFormat.ONNX)
     inputs = JSONTextField(required=False)
     outputs = JSONTextField(required=False)
@@ -208,3 +216,33 @@ class ModelUpdateSerializer(serializers.ModelSerializer):
     class Meta:
         model = Model
         fields = [*MONITORING_FIELDS, *LADDER_FIELDS]
+
+
+class AliasChangeSerializer(serializers.ModelSerializer):
+    """One move of an alias: its history as ``GET .../aliases/{alias}/history`` lists it."""
+
+    from_version = serializers.IntegerField(
+        source="from_version.version", read_only=True, allow_null=True, default=None
+    )
+    to_version = serializers.IntegerField(source="to_version.version", read_only=True)
+    actor = serializers.CharField(source="actor_label", read_only=True)
+    reviewed_by = serializers.CharField(source="reviewed_by_label", read_only=True)
+    needs_review = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = AliasChange
+        fields = [
+            "id",
+            "alias",
+            "from_version",
+            "to_version",
+            "actor",
+            "reason",
+            "at",
+            "break_glass",
+            "needs_review",
+            "reviewed_by",
+            "reviewed_at",
+            "review_comment",
+        ]
+        read_only_fields = fields

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
@@ -13,14 +13,13 @@ from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from tenants.audit import audit
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
-from ..access import model_for, models_of, version_for
-from ..models import Model
+from ..access import alias_for, model_for, models_of, version_for
 from ..reference import set_reference_upload
 from .serializers import (
+    AliasChangeSerializer,
     ModelSerializer,
     ModelUpdateSerializer,
     ServingSettingsSerializer,
@@ -41,14 +40,12 @@ class ModelListView(APIView):
     def post(self, request: CallerRequest) -> Response:
         serializer = ModelSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        try:
-            # A savepoint: the refused insert must not break a transaction around the request.
-            with transaction.atomic():
-                model = serializer.save(tenant_id=request.caller.tenant_id)
-        except IntegrityError:
-            raise ValidationError(
-                {"name": "this tenant already has a model with this name"}
-            ) from None
+        settings = dict(serializer.validated_data)
+        name, task = settings.pop("name"), settings.pop("task")
+        # The same audited function as the web UI's form (a taken name is a 400 naming it).
+        model = services.create_model(
+            request.caller.tenant_id, actor_of(request), name, task, **settings
+        )
         return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
 
 
@@ -75,17 +72,9 @@ class ModelDetailView(APIView):
             )
         changes = ModelUpdateSerializer(model, data=request.data, partial=True)
         changes.is_valid(raise_exception=True)
-        before = {f: _setting(model, f) for f in changes.validated_data}
-        with transaction.atomic():
-            updated = services.update_model_settings(model, dict(changes.validated_data))
-            audit(
-                model.tenant_id,
-                actor_of(request),
-                "model.update",
-                model.name,
-                before,
-                {f: _setting(updated, f) for f in before},
-            )
+        updated = services.update_model_settings(
+            model, dict(changes.validated_data), actor_of(request)
+        )
         return Response(ModelSerializer(updated).data)
 
 
@@ -110,15 +99,16 @@ class VersionListView(APIView):
         if "parent" in data:
             data["parent"] = version_for(model, data["parent"])
         reference = data.pop("reference", None)
+        actor = actor_of(request)
         # A reference that does not fit the version undoes it; without one, no transaction
         # holds the database's write lock while the artifact is checked (seconds for textgen).
         with transaction.atomic() if reference is not None else nullcontext():
             version = services.create_version(
-                model, artifact, created_by_id=request.caller.user_id, **data
+                model, artifact, created_by_id=request.caller.user_id, actor=actor, **data
             )
             if reference is not None:
                 try:
-                    set_reference_upload(version, actor_of(request), **reference)
+                    set_reference_upload(version, actor, **reference)
                 except DjangoValidationError as exc:
                     raise ValidationError({"reference": exc.messages}) from None
         return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
@@ -146,7 +136,9 @@ class VersionDetailView(APIView):
             )
         changes = ServingSettingsSerializer(data=request.data, partial=True)
         changes.is_valid(raise_exception=True)
-        updated = services.update_serving_settings(found, dict(changes.validated_data))
+        updated = services.update_serving_settings(
+            found, dict(changes.validated_data), actor_of(request)
+        )
         return Response(VersionSerializer(updated).data)
 
     @extend_schema(
@@ -159,8 +151,17 @@ class VersionDetailView(APIView):
         )
 
 
-def _setting(model: Model, field: str) -> object:
-    """A model setting as the audit log records it (the fallback by its version number)."""
-    if field == "fallback_version":
-        return model.fallback_version.version if model.fallback_version else None
-    return getattr(model, field)
+class AliasHistoryView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=AliasChangeSerializer(many=True))
+    def get(self, request: CallerRequest, name: str, alias: str) -> Response:
+        """An alias's moves, newest first (break-glass rollbacks flagged until reviewed)."""
+        model = model_for(request.caller.tenant_id, name)
+        alias_for(model, alias)
+        history = services.alias_history(model, alias)[:HISTORY_LIMIT]
+        return Response(AliasChangeSerializer(history, many=True).data)
+
+
+# The most entries the history endpoint and page show (newest first).
+HISTORY_LIMIT = 500

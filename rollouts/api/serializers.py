@@ -3,7 +3,15 @@
 from rest_framework import serializers
 
 from ..approvals import evidence_of
-from ..models import ApprovalRequest, PlanMode, RequestKind, RequestState, RolloutPlan
+from ..models import (
+    ApprovalRequest,
+    PlanMode,
+    RequestKind,
+    RequestState,
+    RolloutPlan,
+    RolloutPolicy,
+)
+from ..policy import REQUIRABLE_GUARDRAILS
 from ..shadow import shadow_summary
 
 
@@ -34,6 +42,7 @@ class PlanSerializer(serializers.ModelSerializer):
             "arms",
             "shadow",
             "status_note",
+            "ab_result",
             "created_at",
             "updated_at",
         ]
@@ -67,7 +76,8 @@ class PlanCreateSerializer(serializers.Serializer):
         min_value=0,
         max_value=100,
         required=False,
-        help_text="highest weight a person may set directly; above it needs an approval",
+        help_text="highest weight a person may set directly; above it needs an approval "
+        "(capped by the rollout policy's max_weight_without_approval on a protected alias)",
     )
     bake_seconds = serializers.IntegerField(min_value=0, required=False)
     shadow_sample = serializers.FloatField(min_value=0, max_value=1, required=False)
@@ -94,6 +104,10 @@ class ApprovalSerializer(serializers.ModelSerializer):
     requested_by = serializers.CharField(source="requested_label", read_only=True)
     decided_by = serializers.CharField(source="decided_label", read_only=True)
     evidence = serializers.SerializerMethodField()
+    approvals = serializers.IntegerField(
+        source="approvals_given", read_only=True, help_text="approvers who said yes so far"
+    )
+    votes = serializers.SerializerMethodField()
 
     class Meta:
         model = ApprovalRequest
@@ -107,8 +121,12 @@ class ApprovalSerializer(serializers.ModelSerializer):
             "from_version",
             "to_version",
             "weight",
+            "arm_weights",
             "requested_by",
             "comment",
+            "approvals",
+            "approvals_needed",
+            "votes",
             "decided_by",
             "decision_comment",
             "decided_at",
@@ -116,6 +134,12 @@ class ApprovalSerializer(serializers.ModelSerializer):
             "evidence",
         ]
         read_only_fields = fields
+
+    def get_votes(self, req: ApprovalRequest) -> list[dict]:
+        return [
+            {"by": v.label, "approved": v.approved, "comment": v.comment, "at": v.at}
+            for v in req.votes.all()
+        ]
 
     def get_evidence(self, req: ApprovalRequest) -> dict | None:
         # Lists stay cheap: the evidence (several aggregate queries) is on the detail view.
@@ -157,3 +181,75 @@ class PlanMetricsSerializer(serializers.Serializer):
     diff = serializers.DictField(
         child=serializers.FloatField(), allow_null=True, help_text="candidate minus baseline"
     )
+
+
+class ArmWeightsSerializer(serializers.Serializer):
+    arms = serializers.DictField(
+        child=serializers.FloatField(min_value=0, max_value=100),
+        help_text="every arm's new weight: {arm name: percent}",
+    )
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class PolicySerializer(serializers.ModelSerializer):
+    scope = serializers.SerializerMethodField(
+        help_text="model (its own policy), tenant (the tenant's default) or default (built in)"
+    )
+    model = serializers.SerializerMethodField()
+    updated_by = serializers.SerializerMethodField()
+    updated_at = serializers.DateTimeField(
+        read_only=True, allow_null=True, help_text="null: the built-in defaults"
+    )
+
+    class Meta:
+        model = RolloutPolicy
+        fields = [
+            "scope",
+            "model",
+            "max_weight_without_approval",
+            "required_guardrails",
+            "approvals_needed",
+            "protected_aliases",
+            "updated_by",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_scope(self, policy: RolloutPolicy) -> str:
+        if policy.pk is None:
+            return "default"
+        return "model" if policy.model_id else "tenant"
+
+    def get_model(self, policy: RolloutPolicy) -> str | None:
+        return policy.model.name if policy.model is not None else None
+
+    def get_updated_by(self, policy: RolloutPolicy) -> str | None:
+        return policy.updated_by.get_username() if policy.updated_by is not None else None
+
+
+class PolicyInputSerializer(serializers.Serializer):
+    """Fields left out keep their current value."""
+
+    max_weight_without_approval = serializers.FloatField(min_value=0, max_value=100, required=False)
+    required_guardrails = serializers.ListField(
+        child=serializers.ChoiceField(choices=REQUIRABLE_GUARDRAILS), required=False
+    )
+    approvals_needed = serializers.IntegerField(min_value=1, max_value=10, required=False)
+    protected_aliases = serializers.ListField(
+        child=serializers.CharField(max_length=50), required=False
+    )
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class FreezeOverrideSerializer(serializers.Serializer):
+    reason = serializers.CharField(help_text="why releases may go on with the budget spent")
+    hours = serializers.FloatField(
+        min_value=0.01, max_value=168, default=4, help_text="how long the override holds"
+    )
+
+
+class FreezeStatusSerializer(serializers.Serializer):
+    model = serializers.CharField()
+    frozen = serializers.BooleanField()
+    budget_spent = serializers.ListField(child=serializers.CharField())
+    override = serializers.DictField(allow_null=True)

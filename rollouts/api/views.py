@@ -15,7 +15,7 @@ from registry.api.serializers import AliasSerializer
 from tenants.audit import Actor
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
-from .. import actions, approvals
+from .. import actions, approvals, policy
 from ..access import approval_for, approvals_of, plan_for
 from ..approvals import move_alias
 from ..arms import metrics_diff, plan_arm_metrics
@@ -23,10 +23,15 @@ from ..models import ApprovalRequest, RolloutPlan
 from .serializers import (
     ApprovalFilter,
     ApprovalSerializer,
+    ArmWeightsSerializer,
     CommentSerializer,
+    FreezeOverrideSerializer,
+    FreezeStatusSerializer,
     PlanCreateSerializer,
     PlanMetricsSerializer,
     PlanSerializer,
+    PolicyInputSerializer,
+    PolicySerializer,
     PromotionSerializer,
     ReasonSerializer,
     WeightSerializer,
@@ -48,8 +53,12 @@ class PlanListView(APIView):
         model = model_for(request.caller.tenant_id, name)
         return Response(PlanSerializer(model.plans.all(), many=True).data)
 
-    @extend_schema(request=PlanCreateSerializer, responses={201: PlanSerializer})
+    @extend_schema(
+        request=PlanCreateSerializer, responses={201: PlanSerializer, 202: ApprovalSerializer}
+    )
     def post(self, request: CallerRequest, name: str) -> Response:
+        """Start a plan. A canary weight above the rollout policy's limit starts at the limit
+        and the weight asked for waits for an approver: 202 with that request."""
         model = model_for(request.caller.tenant_id, name)
         body = PlanCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -59,7 +68,7 @@ class PlanListView(APIView):
         arms = [
             (a["name"], version_for(model, a["version"]), a["weight"]) for a in data.pop("arms", [])
         ]
-        plan = actions.start_plan(
+        plan, asked = approvals.start_plan(
             model,
             data.pop("mode"),
             candidate,
@@ -68,6 +77,8 @@ class PlanListView(APIView):
             arms=arms,
             **data,
         )
+        if asked is not None:
+            return approval_response(asked)
         return Response(PlanSerializer(plan).data, status=status.HTTP_201_CREATED)
 
 
@@ -77,6 +88,13 @@ class PlanDetailView(APIView):
     @extend_schema(responses=PlanSerializer)
     def get(self, request: CallerRequest, plan_id: int) -> Response:
         return Response(PlanSerializer(plan_for(request.caller.tenant_id, plan_id)).data)
+
+
+def plan_or_request(done: RolloutPlan | ApprovalRequest) -> Response:
+    """A change applied at once (200, the plan) or sent for approval (202, the request)."""
+    if isinstance(done, ApprovalRequest):
+        return approval_response(done)
+    return Response(PlanSerializer(done).data)
 
 
 class PlanWeightView(APIView):
@@ -91,10 +109,26 @@ class PlanWeightView(APIView):
     def post(self, request: CallerRequest, plan_id: int) -> Response:
         body = validated(WeightSerializer, request.data)
         plan = plan_for(request.caller.tenant_id, plan_id)
-        done = approvals.change_weight(plan, body["weight"], actor_of(request), body["reason"])
-        if isinstance(done, ApprovalRequest):
-            return approval_response(done)
-        return Response(PlanSerializer(done).data)
+        return plan_or_request(
+            approvals.change_weight(plan, body["weight"], actor_of(request), body["reason"])
+        )
+
+
+class PlanArmsView(APIView):
+    """New weights for an A/B plan's arms: on a protected alias an arms request (202)."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(
+        request=ArmWeightsSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
+    )
+    def post(self, request: CallerRequest, plan_id: int) -> Response:
+        body = validated(ArmWeightsSerializer, request.data)
+        plan = plan_for(request.caller.tenant_id, plan_id)
+        return plan_or_request(
+            approvals.change_arms(plan, body["arms"], actor_of(request), body["reason"])
+        )
 
 
 class PlanActionView(APIView):
@@ -254,3 +288,61 @@ class AliasView(APIView):
         if isinstance(moved, ApprovalRequest):
             return approval_response(moved)
         return Response(AliasSerializer(moved).data)
+
+
+class TenantPolicyView(APIView):
+    """The tenant's default rollout policy: members read it, approvers set it."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=PolicySerializer)
+    def get(self, request: CallerRequest) -> Response:
+        return Response(PolicySerializer(policy.tenant_policy(request.caller.tenant_id)).data)
+
+    @extend_schema(request=PolicyInputSerializer, responses=PolicySerializer)
+    def put(self, request: CallerRequest) -> Response:
+        body = validated(PolicyInputSerializer, request.data)
+        reason = body.pop("reason")
+        tenant_id = request.caller.tenant_id
+        done = policy.set_policy(tenant_id, None, body, actor_of(request), reason)
+        return Response(PolicySerializer(done).data)
+
+
+class ModelPolicyView(APIView):
+    """The policy in force for a model (its own, else the tenant's); approvers set its own."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=PolicySerializer)
+    def get(self, request: CallerRequest, name: str) -> Response:
+        model = model_for(request.caller.tenant_id, name)
+        return Response(PolicySerializer(policy.policy_for(model)).data)
+
+    @extend_schema(request=PolicyInputSerializer, responses=PolicySerializer)
+    def put(self, request: CallerRequest, name: str) -> Response:
+        model = model_for(request.caller.tenant_id, name)
+        body = validated(PolicyInputSerializer, request.data)
+        reason = body.pop("reason")
+        done = policy.set_policy(model.tenant_id, model, body, actor_of(request), reason)
+        return Response(PolicySerializer(done).data)
+
+
+class FreezeOverrideView(APIView):
+    """The model's release freeze (GET) and an approver's override of it (POST, audited)."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(responses=FreezeStatusSerializer)
+    def get(self, request: CallerRequest, name: str) -> Response:
+        model = model_for(request.caller.tenant_id, name)
+        return Response(policy.freeze_status(model))
+
+    @extend_schema(request=FreezeOverrideSerializer, responses={201: FreezeStatusSerializer})
+    def post(self, request: CallerRequest, name: str) -> Response:
+        model = model_for(request.caller.tenant_id, name)
+        body = validated(FreezeOverrideSerializer, request.data)
+        policy.override_freeze(model, actor_of(request), body["reason"], body["hours"])
+        return Response(policy.freeze_status(model), status=status.HTTP_201_CREATED)

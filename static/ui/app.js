@@ -15,6 +15,12 @@ const Sy = (() => {
     return found ? decodeURIComponent(found.split("=")[1]) : "";
   }
 
+  // The page's CSRF token: the form's hidden field (always there), else the cookie.
+  function csrfToken() {
+    const field = document.querySelector("input[name=csrfmiddlewaretoken]");
+    return field ? field.value : cookie("csrftoken");
+  }
+
   // Every change goes through the REST API; it answers JSON, errors as {"error": "..."}.
   async function api(method, url, body) {
     const response = await fetch(url, {
@@ -23,7 +29,7 @@ const Sy = (() => {
       headers: {
         "Content-Type": "application/json",
         Accept: "application/json",
-        "X-CSRFToken": cookie("csrftoken"),
+        "X-CSRFToken": csrfToken(),
         "X-Tenant": document.body.dataset.tenant || "",
       },
       body: body === undefined ? undefined : JSON.stringify(body),
@@ -85,7 +91,21 @@ const Sy = (() => {
     return node;
   }
 
+  // One time-zone convention: every time the UI shows is UTC, labelled. Plotly draws a Date in
+  // the browser's zone, so charts get UTC wall-clock strings ("2026-11-26 14:03:07.000"),
+  // which it draws as they are.
+  function utc(t) {
+    const d = t instanceof Date ? t : new Date(t);
+    return d.toISOString().replace("T", " ").replace("Z", "");
+  }
+
+  // A chart's time axis, labelled with its zone.
+  function timeAxis(extra) {
+    return { type: "date", title: { text: "time (UTC)", standoff: 4 }, ...extra };
+  }
+
   const fmt = {
+    time: (t) => `${utc(t).slice(11, 19)} UTC`,
     pct: (x) => (x === null || x === undefined ? "–" : `${(x * 100).toFixed(2)} %`),
     ms: (x) => (x === null || x === undefined ? "> 10 s" : `${x} ms`),
     rps: (x) => `${Number(x).toFixed(x >= 10 ? 0 : 2)}/s`,
@@ -167,7 +187,7 @@ const Sy = (() => {
         return;
       }
       onData(await response.json());
-      mark(true, `updated ${new Date().toLocaleTimeString()}`);
+      mark(true, `updated ${fmt.time(new Date())}`);
     }
     mark(true, "live");
     setInterval(() => {
@@ -176,5 +196,5 @@ const Sy = (() => {
     return refresh;
   }
 
-  return { api, errorText, live, poll, el, fmt, renderSplit, armColor, message, snapshot };
+  return { api, csrfToken, utc, timeAxis, errorText, live, poll, el, fmt, renderSplit, armColor, message, snapshot };
 })();

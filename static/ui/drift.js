@@ -33,7 +33,7 @@ function draw(id, traces, layout) {
 }
 
 function dates(values) {
-  return values.map((t) => new Date(t));
+  return values.map(Sy.utc); // drawn as UTC (Sy.utc)
 }
 
 function renderPsi(psi) {
@@ -69,7 +69,7 @@ function renderPsi(psi) {
     hoverinfo: "skip",
   });
   const layout = baseLayout({
-    xaxis: { type: "date" },
+    xaxis: Sy.timeAxis(),
     yaxis: { rangemode: "tozero", title: { text: "PSI" } },
   });
   draw("chart-psi", traces, layout);
@@ -124,7 +124,7 @@ function count(n) {
 }
 
 function renderLatest(latest) {
-  const at = new Date(latest.at).toLocaleTimeString();
+  const at = Sy.fmt.time(latest.at);
   const source = REFERENCE_SOURCES[latest.reference_source] || latest.reference_source;
   const sizes = `${Sy.fmt.int(latest.rows_current)} rows against ${Sy.fmt.int(latest.rows_reference)}`;
   const drifted = latest.flagged.length ? `drifted: ${latest.flagged.join(", ")}` : "nothing drifted";
@@ -176,7 +176,7 @@ function renderTraffic(traffic) {
     "chart-latency",
     latency,
     baseLayout({
-      xaxis: { type: "date", tickformat: "%H:%M" },
+      xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
       yaxis: { rangemode: "tozero", title: { text: "ms" } },
       annotations: labels.length ? [] : [empty],
     })
@@ -194,7 +194,7 @@ function renderTraffic(traffic) {
     "chart-errors",
     errors,
     baseLayout({
-      xaxis: { type: "date", tickformat: "%H:%M" },
+      xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
       // A flat zero line would otherwise get an arbitrary axis.
       yaxis: {
         tickformat: ".1%",

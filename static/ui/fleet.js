@@ -15,7 +15,7 @@ function drawCharts(charts) {
   for (const node of document.querySelectorAll("[data-chart]")) {
     const series = charts[node.dataset.chart];
     if (!series) continue;
-    const x = series.t.map((t) => new Date(t));
+    const x = series.t.map(Sy.utc);
     const traces = TRACES.map((t) => ({
       name: t.name,
       type: "scatter",
@@ -31,7 +31,7 @@ function drawCharts(charts) {
       height: 230,
       showlegend: true,
       legend: { orientation: "h", y: -0.2 },
-      xaxis: { type: "date", tickformat: "%H:%M" },
+      xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
       yaxis: { range: [0, top + 1], dtick: top > 10 ? undefined : 1, title: { text: "replicas" } },
       font: { family: "system-ui, sans-serif", size: 11 },
       paper_bgcolor: "rgba(0,0,0,0)",
@@ -79,7 +79,7 @@ async function refresh() {
     current.replaceWith(document.adoptNode(fresh));
   }
   drawCharts(JSON.parse(doc.getElementById("snapshot").textContent));
-  mark(true, `updated ${new Date().toLocaleTimeString()}`);
+  mark(true, `updated ${Sy.fmt.time(new Date())}`);
 }
 
 document.addEventListener("DOMContentLoaded", () => {

@@ -1,7 +1,66 @@
-// Model page: the "start a canary" form posts to the REST API and opens the new plan.
+// Model page: the "start a canary" form posts to the REST API and opens the new plan; the
+// "upload version" form sends the artifact to the REST API with a progress bar.
 "use strict";
 
+// fetch() cannot report upload progress; XMLHttpRequest's upload.onprogress can.
+function uploadVersion(form) {
+  const bar = form.querySelector("progress");
+  const percent = form.querySelector("[data-percent]");
+  const msg = form.querySelector("[data-msg]");
+  const button = form.querySelector("button[type=submit]");
+  const body = new FormData(form);
+  for (const [key, value] of [...body.entries()]) {
+    // An empty optional field is not sent at all; the token travels in the header.
+    if (value === "" || key === "csrfmiddlewaretoken") body.delete(key);
+  }
+  const xhr = new XMLHttpRequest();
+  xhr.open("POST", `/api/v1/models/${encodeURIComponent(form.dataset.model)}/versions`);
+  xhr.setRequestHeader("Accept", "application/json");
+  xhr.setRequestHeader("X-CSRFToken", Sy.csrfToken());
+  xhr.setRequestHeader("X-Tenant", document.body.dataset.tenant || "");
+  xhr.responseType = "json";
+  const show = (fraction) => {
+    bar.value = fraction;
+    percent.textContent = `${Math.round(fraction * 100)} %`;
+  };
+  xhr.upload.onprogress = (event) => {
+    if (event.lengthComputable) show(event.loaded / event.total);
+  };
+  xhr.upload.onload = () => {
+    show(1);
+    Sy.message(msg, "info", "Uploaded; the server is checking the artifact…");
+  };
+  xhr.onload = () => {
+    button.disabled = false;
+    const data = xhr.response;
+    if (xhr.status === 201) {
+      show(1);
+      Sy.message(msg, "ok", `Uploaded as v${data.version}.`);
+      // The versions table is rendered by the server: show it with the new row.
+      setTimeout(() => (location.href = `${location.pathname}?uploaded=${data.version}`), 600);
+    } else {
+      Sy.message(msg, "error", Sy.errorText({ status: xhr.status, data }));
+    }
+  };
+  xhr.onerror = () => {
+    button.disabled = false;
+    Sy.message(msg, "error", "The upload failed: the connection was lost.");
+  };
+  button.disabled = true;
+  bar.hidden = false;
+  show(0);
+  Sy.message(msg, "info", "Uploading…");
+  xhr.send(body);
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  const upload = document.getElementById("upload-form");
+  if (upload) {
+    upload.addEventListener("submit", (event) => {
+      event.preventDefault();
+      uploadVersion(upload);
+    });
+  }
   const form = document.getElementById("canary-form");
   if (!form) return;
   form.addEventListener("submit", async (event) => {

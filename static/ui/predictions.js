@@ -22,7 +22,7 @@ function drawQuality() {
         name: `${line.name} ${STYLE[metric].label}`,
         type: "scatter",
         mode: "lines+markers",
-        x: line.t.map((t) => new Date(t)),
+        x: line.t.map(Sy.utc),
         y: line[metric], // null: no labelled rows in that bucket, a gap
         text: line.labelled_rows.map((n) => `${n} labelled rows`),
         hovertemplate: "%{y:.3f} (%{text})<extra>%{fullData.name}</extra>",
@@ -37,7 +37,8 @@ function drawQuality() {
     height: 230, // the .chart box
     showlegend: true,
     legend: { orientation: "h", y: -0.2 },
-    xaxis: { type: "date" },
+    // The window's range, not Plotly's autorange: one bucket alone would span a millisecond.
+    xaxis: Sy.timeAxis({ range: chart.range.map(Sy.utc) }),
     yaxis: bounded ? { range: [0, 1.02], title: { text: "score" } } : { rangemode: "tozero", title: { text: "MAE" } },
     font: { family: "system-ui, sans-serif", size: 11 },
     paper_bgcolor: "rgba(0,0,0,0)",

@@ -1,5 +1,7 @@
-// Rollout page: the canary slider, plan controls, per-arm table and Plotly charts, all kept
-// live from the socket; changes go to the REST API and its answer is shown inline.
+// Rollout page: the canary's step timeline with its bake countdown, the weight slider (which
+// only changes the value shown: "Apply weight" sends it), plan controls, per-arm table and
+// Plotly charts, all kept live from the socket; changes go to the REST API and its answer is
+// shown inline.
 "use strict";
 
 const CHARTS = ["rps", "error_rate", "p99_ms"];
@@ -10,7 +12,22 @@ const page = {
   planId: 0,
   weight: 0,
   busy: false, // a change is in flight: live updates must not move the slider under the user
-  dragging: false,
+  chosen: null, // a weight picked on the slider and not applied yet: live updates keep it
+  bakeEndsAt: null, // the current step's bake end, on this browser's clock
+};
+
+const STEP_LABELS = {
+  done: "done",
+  current: "current",
+  upcoming: "upcoming",
+  approval: "needs approval",
+  skipped: "not reached",
+};
+const END_LABELS = {
+  promoted: "promoted",
+  rolled_back: "rolled back",
+  approval: "promotion needs approval",
+  upcoming: "promotion",
 };
 
 function $(selector) {
@@ -81,7 +98,7 @@ function renderCharts(snapshot) {
   const times = Object.values(series).flat().map((p) => new Date(p.t).getTime());
   // At least the last 5 minutes, at most the 15 the series covers.
   const start = Math.min(now - 5 * 60_000, ...times);
-  const stepStart = new Date(snapshot.step_started_at);
+  const stepStart = Sy.utc(snapshot.step_started_at);
   for (const field of CHARTS) {
     const traces = Object.keys(series).map((name, i) => {
       const points =
@@ -94,7 +111,7 @@ function renderCharts(snapshot) {
         mode: "lines+markers",
         marker: { size: 4 },
         line: { color: Sy.armColor(name, i), width: 2 },
-        x: points.map((p) => new Date(p.x)),
+        x: points.map((p) => Sy.utc(p.x)),
         y: points.map((p) => p.y),
       };
     });
@@ -105,7 +122,7 @@ function renderCharts(snapshot) {
       height: 230,
       showlegend: true,
       legend: { orientation: "h", y: -0.2 },
-      xaxis: { type: "date", tickformat: "%H:%M", range: [new Date(start), new Date(now + STEP_MS)] },
+      xaxis: Sy.timeAxis({ tickformat: "%H:%M", range: [Sy.utc(start), Sy.utc(now + STEP_MS)] }),
       yaxis: {
         rangemode: "tozero",
         tickformat: field === "error_rate" ? ".1%" : "",
@@ -167,22 +184,90 @@ function renderState(state, active) {
   }
   const slider = document.getElementById("weight");
   if (slider) slider.disabled = !active || page.root.dataset.canWrite !== "1";
+  const apply = document.getElementById("apply-weight");
+  if (apply) apply.disabled = !active;
+}
+
+// The weight the Apply button would send, and whether it differs from the plan's.
+function showChosen(weight) {
+  const value = document.querySelector("[data-apply-value]");
+  if (value) value.textContent = Sy.fmt.weight(weight);
+  const pending = weight !== page.weight;
+  const reset = document.getElementById("reset-weight");
+  if (reset) reset.hidden = !pending;
+  const note = document.querySelector("[data-pending-weight]");
+  if (note) note.hidden = !pending;
 }
 
 function renderWeight(weight) {
   page.weight = weight;
   const slider = document.getElementById("weight");
-  if (slider && !page.busy && !page.dragging) {
+  if (slider && !page.busy && page.chosen === null) {
     slider.value = String(Math.round(weight));
     showWeight(weight);
+    showChosen(weight);
   }
   for (const step of page.root.querySelectorAll("[data-step]")) {
     step.classList.toggle("current", Number(step.dataset.step) === weight);
   }
 }
 
+function pill(text, state, extra) {
+  return Sy.el("li", { class: `pill ${state}`, "data-state": state, ...extra }, text);
+}
+
+function renderTimeline(timeline, note) {
+  const list = document.querySelector("[data-timeline]");
+  if (!list || !timeline) return;
+  const pills = timeline.steps.map((s) =>
+    pill(
+      Sy.el(
+        "span",
+        {},
+        Sy.el("b", {}, Sy.fmt.weight(s.weight)),
+        Sy.el("small", {}, STEP_LABELS[s.state] + (s.gated && s.state === "upcoming" ? " · approval" : ""))
+      ),
+      s.state,
+      { "data-step-weight": String(s.weight), title: s.gated ? "above the plan's bound: an approver must agree" : "" }
+    )
+  );
+  pills.push(
+    pill(Sy.el("span", {}, Sy.el("b", {}, "end"), Sy.el("small", {}, END_LABELS[timeline.end])), `end ${timeline.end}`, {
+      "data-end": timeline.end,
+    })
+  );
+  list.replaceChildren(...pills);
+  // The server's clock decides when the bake ends; the offset carries it to this browser's.
+  page.bakeEndsAt = timeline.bake_ends_at
+    ? new Date(timeline.bake_ends_at).getTime() - (new Date(timeline.now).getTime() - Date.now())
+    : null;
+  document.querySelector("[data-timeline-note]").textContent = note || "";
+  tick();
+}
+
+function clock(seconds) {
+  const h = Math.floor(seconds / 3600);
+  const m = Math.floor((seconds % 3600) / 60);
+  const s = String(seconds % 60).padStart(2, "0");
+  return h ? `${h}:${String(m).padStart(2, "0")}:${s}` : `${m}:${s}`;
+}
+
+// Once a second: how much longer the current step bakes before the guardrails may advance it.
+function tick() {
+  const node = document.querySelector("[data-countdown]");
+  if (!node) return;
+  if (page.bakeEndsAt === null) {
+    node.textContent = "";
+    return;
+  }
+  const left = Math.ceil((page.bakeEndsAt - Date.now()) / 1000);
+  node.textContent = left > 0 ? `bakes ${clock(left)} more` : "baked: the guardrails judge the step";
+  node.className = left > 0 ? "countdown" : "countdown done";
+}
+
 function render(snapshot) {
   renderState(snapshot.state, snapshot.active);
+  renderTimeline(snapshot.timeline, snapshot.status_note);
   if (page.busy) {
     // Keep the split the user just set until the API has answered.
   } else if (page.root.dataset.mode === "canary") {
@@ -223,6 +308,7 @@ async function setWeight(weight) {
   const msg = $("[data-msg]");
   const reason = (document.getElementById("reason") || {}).value || "";
   const result = await post("weight", { weight, reason });
+  page.chosen = null; // applied, sent for approval or refused: the plan's weight shows again
   if (result.status === 200) {
     renderWeight(result.data.weight);
     Sy.renderSplit($("[data-split]"), canarySplit(page.last, result.data.weight));
@@ -272,14 +358,26 @@ document.addEventListener("DOMContentLoaded", () => {
 
   const slider = document.getElementById("weight");
   if (slider) {
-    slider.addEventListener("pointerdown", () => (page.dragging = true));
-    slider.addEventListener("input", () => showWeight(Number(slider.value)));
-    // "change" fires on release (mouse, touch or keyboard): one API call per decision.
-    slider.addEventListener("change", () => {
-      page.dragging = false;
-      setWeight(Number(slider.value));
+    // Moving the slider (mouse, touch or arrow keys) only changes the value shown; nothing
+    // is sent until "Apply weight" is pressed.
+    slider.addEventListener("input", () => {
+      page.chosen = Number(slider.value);
+      showWeight(page.chosen);
+      showChosen(page.chosen);
     });
   }
+  const apply = document.getElementById("apply-weight");
+  if (apply && slider) {
+    apply.addEventListener("click", () => setWeight(Number(slider.value)));
+  }
+  const reset = document.getElementById("reset-weight");
+  if (reset) {
+    reset.addEventListener("click", () => {
+      page.chosen = null;
+      renderWeight(page.weight);
+    });
+  }
+  setInterval(tick, 1000);
   for (const button of page.root.querySelectorAll("[data-action]")) {
     button.addEventListener("click", () => control(button.dataset.action));
   }

@@ -59,7 +59,7 @@ function renderRow(row, s) {
 
 function renderChart(node, model) {
   const series = model.series;
-  const x = series.t.map((t) => new Date(t));
+  const x = series.t.map(Sy.utc);
   const traces = [];
   for (const sli of ["availability", "latency"]) {
     traces.push(
@@ -93,7 +93,7 @@ function renderChart(node, model) {
       height: 280,
       showlegend: true,
       legend: { orientation: "h", y: -0.18 },
-      xaxis: { type: "date", tickformat: "%H:%M" },
+      xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
       yaxis: { range: [0, top], title: { text: "burn rate (×)" } },
       shapes: [
         threshold(14.4, "#c92a2a", "critical 14.4×"),

@@ -28,12 +28,14 @@ from serving_agent.protocol import (
     GenerationLimits,
     InferError,
     InferRequest,
+    TokenBatch,
     TokenChunk,
     VersionSpec,
     decode_frame,
     encode_frame,
     pack_frames,
     tensor_of,
+    unbatch,
 )
 from serving_agent.textgen import TextGenModel, from_safetensors, generate, sample
 from tests.agent.conftest import running
@@ -68,10 +70,10 @@ class Collector:
     async def __call__(self, frames: list[bytes]) -> None:
         self.sends += 1
         for frame in frames:
-            header, _ = decode_frame(frame)
-            self.frames[header.id].append(header)
-            if isinstance(header, GenerateDone | InferError):
-                self._ended[header.id].set()
+            for header in unbatch(decode_frame(frame)[0]):
+                self.frames[header.id].append(header)
+                if isinstance(header, GenerateDone | InferError):
+                    self._ended[header.id].set()
 
     async def wait(self, *ids: int, timeout: float = 10) -> None:
         async with asyncio.timeout(timeout):
@@ -369,6 +371,38 @@ async def test_a_step_sends_all_its_frames_in_one_call(make_engine: Callable[...
     assert out.sends <= engine.stats.decode_steps_total
 
 
+async def test_a_step_sends_one_batch_of_every_streams_text_then_the_done_frames(
+    model: TextGenModel, make_engine: Callable[..., Engine]
+) -> None:
+    sends: list[list[FrameHeader]] = []
+
+    async def record(frames: list[bytes]) -> None:
+        sends.append([decode_frame(frame)[0] for frame in frames])
+
+    lengths = [8, 5, 12]
+    reqs = [request(i, PROMPTS[i], max_new_tokens=n) for i, n in enumerate(lengths)]
+    engine = make_engine()
+    for req in reqs:
+        engine.submit(req, record)
+    await until(lambda: sum(isinstance(f, GenerateDone) for s in sends for f in s) == 3)
+
+    texts: dict[int, str] = defaultdict(str)
+    tokens: dict[int, int] = defaultdict(int)
+    for frames in sends:
+        # At most one batch a step, first; then only done frames.
+        first, *rest = frames
+        assert all(isinstance(f, GenerateDone) for f in rest)
+        if isinstance(first, TokenBatch):
+            assert len({c.id for c in first.chunks}) == len(first.chunks)
+            for chunk in first.chunks:
+                texts[chunk.id] += chunk.text
+                tokens[chunk.id] += chunk.tokens
+    assert max(len(f[0].chunks) for f in sends if isinstance(f[0], TokenBatch)) == 3
+    for req, n in zip(reqs, lengths, strict=True):
+        text, done = await alone(model, req)
+        assert (texts[req.id], tokens[req.id]) == (text, n) and done.output_tokens == n
+
+
 # The agent ------------------------------------------------------------------------------------
 
 TOKEN = "node-token"
@@ -406,11 +440,11 @@ class AgentRun:
         frames: list[FrameHeader] = []
         async with asyncio.timeout(timeout):
             while True:
-                header, _ = decode_frame(await self.platform.frames.get())
-                if header.id == request_id:
-                    frames.append(header)
-                    if isinstance(header, GenerateDone | InferError):
-                        return frames
+                for header in unbatch(decode_frame(await self.platform.frames.get())[0]):
+                    if header.id == request_id:
+                        frames.append(header)
+                        if isinstance(header, GenerateDone | InferError):
+                            return frames
 
 
 @pytest.fixture
@@ -503,7 +537,7 @@ async def test_a_cancel_frame_stops_the_stream(
     slow_steps(monkeypatch)
     await served.ws.send(generate_message(5, "Call me", max_new_tokens=56))
     header, _ = decode_frame(await served.platform.next_frame())
-    assert isinstance(header, TokenChunk)
+    assert isinstance(header, TokenBatch) and header.chunks[0].id == 5
     await served.ws.send(pack_frames([encode_frame(CancelGenerate(id=5))]))
     done = (await served.stream(5))[-1]
     assert isinstance(done, GenerateDone) and done.finish_reason == "cancelled"

@@ -51,7 +51,7 @@ def test_signatures_without_a_batch_dim_or_with_unknown_dtypes_are_refused() -> 
     with pytest.raises(ValueError, match="no batch dimension"):
         check_signature([TensorSpec(name="s", datatype="FP32", shape=[])])
     with pytest.raises(ValueError, match="unsupported datatype"):
-        check_signature([TensorSpec(name="s", datatype="BYTES", shape=[-1])])
+        check_signature([TensorSpec(name="s", datatype="STRING", shape=[-1])])
 
 
 def test_warm_up_feed_uses_one_for_dynamic_non_batch_dims() -> None:

@@ -270,7 +270,9 @@ def wait_until(check, timeout: float, proc: Proc | None = None, interval: float 
 
 
 def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2000) -> str:
-    out = backend.manage("create_tenant", slug, "--rps", str(rps), "--burst", str(burst), "--json")
+    """A tenant and an engineer's key that infers and deploys (the tests upload with it)."""
+    args = ["--rps", str(rps), "--burst", str(burst), "--owner", f"{slug}-engineer"]
+    out = backend.manage("create_tenant", slug, *args, "--scopes", "predict,deploy", "--json")
     return json.loads(out)["api_key"]
 
 
@@ -285,3 +287,13 @@ def dispatched(url: str) -> dict[str, float]:
     counts = {"local": 0.0, "forwarded": 0.0}
     counts.update({path: float(n) for path, n in found})
     return counts
+
+
+def allow_weight(backend: Backend, slug: str, percent: float) -> None:
+    """Let the tenant's canaries carry ``percent`` without approval (the rollout policy's
+    default is 10 %): for tests of routing and guardrails, not of approvals."""
+    backend.shell(
+        "from rollouts.models import RolloutPolicy; from tenants.models import Tenant; "
+        f"RolloutPolicy.objects.update_or_create(tenant=Tenant.objects.get(slug={slug!r}), "
+        f"model=None, defaults={{'max_weight_without_approval': {percent}}})"
+    )

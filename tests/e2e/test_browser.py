@@ -1,5 +1,5 @@
 """The web UI in a real browser (headless Chromium driven by Playwright) against real processes:
-an engineer signs in, starts a canary, moves the slider and sees the split change on the page
+an engineer signs in, starts a canary, applies a weight and sees the split change on the page
 and in the routing of later requests; above the plan's bound the slider asks for approval; the
 engineer asks for a promotion but cannot approve it; an approver approves it from the inbox;
 the fleet page charts a deployment's recorded decisions. Screenshots of the main pages are saved
@@ -15,7 +15,7 @@ import pytest
 from tests.onnx_models import small_onnx
 
 from .conftest import BACKENDS, platform_with_agent, upload_and_promote, wait_ready
-from .harness import ROOT, create_tenant, wait_until
+from .harness import ROOT, allow_weight, create_tenant, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
@@ -96,6 +96,7 @@ def platform(request, tmp_path):
     with platform_with_agent(request.param, tmp_path) as (backend, url, procs):
         key = create_tenant(backend, "acme")
         backend.shell(CREATE_USERS.format(users=USERS))
+        allow_weight(backend, "acme", 50)  # the slider's bound: 30 % applies, 80 % asks
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
             upload_and_promote(api, "fraud", small_onnx(), offline_metrics='{"auc": 0.91}')
@@ -163,8 +164,9 @@ def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
 
     page.evaluate("window.sameDocument = true")  # gone if anything reloads the page
 
-    # Within the plan's bound the slider applies at once: the page and the routing follow.
+    # Within the plan's bound the chosen weight applies at once: the page and the routing follow.
     page.locator("#weight").fill("30")
+    page.click("#apply-weight")  # the slider alone sends nothing (test_browser_governance)
     expect(page.locator("[data-msg]")).to_contain_text("candidate now gets 30 %")
     expect(legend).to_contain_text("candidate v2 · 30 %")
     assert api.get(f"/api/v1/rollouts/{plan_id}").json()["weight"] == 30
@@ -184,6 +186,7 @@ def test_canary_slider_and_approval_in_a_real_browser(browser, platform):
 
     # Above the bound (50 %) the slider asks an approver instead, and the split stays.
     page.locator("#weight").fill("80")
+    page.click("#apply-weight")
     expect(page.locator("[data-msg]")).to_contain_text("sent for approval")
     expect(legend).to_contain_text("candidate v2 · 30 %")
     assert page.locator("#weight").input_value() == "30"

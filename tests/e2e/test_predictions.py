@@ -19,7 +19,7 @@ from serving_agent.protocol import (
     VersionStatus,
 )
 
-from .harness import wait_until
+from .harness import allow_weight, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -234,7 +234,7 @@ def test_unknown_routes_and_methods_are_clear(stack):
     with stack.client() as client:
         assert client.get("/v2/models/clf/infer").status_code == 405
         assert client.get("/v2/nothing").status_code == 404
-        assert client.post("/v2/models/clf/versions/abc/infer", json={}).status_code == 400
+        assert client.post("/v2/models/clf/versions/ABC/infer", json={}).status_code == 400
 
 
 def test_canary_plan_splits_traffic_stickily_and_the_kill_switch_restores_baseline(stack, rng):
@@ -245,6 +245,7 @@ def test_canary_plan_splits_traffic_stickily_and_the_kill_switch_restores_baseli
     x = rng.normal(size=(1, 4)).astype(np.float32)
     want = {"1": expected(stack.artifact, x), "2": expected(candidate, x)}
     guardrails = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 100}
+    allow_weight(stack.backend, "alpha", 50)  # a 50/50 split without an approver
     with stack.client() as client:
         files = {"artifact": ("v2.onnx", candidate, "application/octet-stream")}
         assert client.post("/api/v1/models/clf/versions", files=files).status_code == 201

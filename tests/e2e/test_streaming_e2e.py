@@ -16,7 +16,7 @@ import pytest
 from websockets.sync.client import connect
 
 from .conftest import BACKENDS, platform_with_agent, wait_ready
-from .harness import create_tenant, wait_until
+from .harness import create_tenant, metrics_auth, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -85,8 +85,25 @@ def agent_stats(backend) -> dict:
     return json.loads(backend.shell(STATS))
 
 
+def inter_token_observations(url: str) -> float:
+    """The count of the inter-token latency histogram of the test's model, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scraped = httpx.get(f"{url}/metrics", headers=metrics_auth(), timeout=30)
+    assert scraped.status_code == 200, scraped.text
+    for family in text_string_to_metric_families(scraped.text):
+        for sample in family.samples:
+            if (
+                sample.name == "switchyard_generation_inter_token_latency_seconds_count"
+                and sample.labels.get("model") == MODEL
+            ):
+                return sample.value
+    return 0.0
+
+
 def test_tokens_arrive_incrementally_with_right_usage(platform):
     backend, url, key, _ = platform
+    observed = inter_token_observations(url)
     with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
         frames = generate(ws, "g1", "Call me Ishmael.", max_tokens=40, temperature=0)
     tokens = [f for f in frames if f["type"] == "token"]
@@ -98,6 +115,8 @@ def test_tokens_arrive_incrementally_with_right_usage(platform):
     assert usage["output_tokens"] == sum(t["tokens"] for t in tokens) == 40
     assert done["finish_reason"] == "length"
     assert 0 < usage["ttft_ms"] <= usage["total_ms"] and usage["tokens_per_second"] > 0
+    # Every token after the first chunk's is one inter-token latency observation.
+    assert inter_token_observations(url) - observed == 40 - tokens[0]["tokens"]
 
 
 def test_concurrent_streams_share_decode_steps_and_match_their_solo_text(platform):

@@ -1,5 +1,6 @@
 """The platform in one process for the fuzz suite: tenant A's ``clf`` (an ONNX MLP, input ``x``
-FP32 [-1, 4]) answered by an in-process agent link that runs ONNX Runtime, and one gateway
+FP32 [-1, 4]) and ``echo`` (string tensors: BYTES ``t`` [-1] in, ``u`` out) answered by
+in-process agent links that run ONNX Runtime, and one gateway
 state that every front door (OIP v2 REST and gRPC, the prediction API, OpenAI, the generation
 socket) uses.
 
@@ -23,7 +24,7 @@ from gateway.api import predict_app, views
 from gateway.state import GatewayState
 from platform_site.asgi import application
 from tests.factories import make_key, make_model, make_tenant, make_version
-from tests.onnx_models import small_onnx
+from tests.onnx_models import echo_onnx, small_onnx
 from tests.test_predict_api import OnnxAgent
 
 
@@ -32,6 +33,7 @@ class Platform:
     key: str
     state: GatewayState
     agent: OnnxAgent
+    echo: OnnxAgent
 
 
 @pytest.fixture
@@ -45,7 +47,13 @@ def platform(transactional_db, monkeypatch, settings) -> Platform:
     tenant = make_tenant("alpha")
     artifact = small_onnx()
     version = make_version(make_model(tenant, "clf"), artifact)
-    return Platform(make_key(tenant)[1], gateway, OnnxAgent(gateway, version.pk, artifact))
+    echo = make_version(make_model(tenant, "echo"), echo_onnx())
+    return Platform(
+        make_key(tenant)[1],
+        gateway,
+        OnnxAgent(gateway, version.pk, artifact),
+        OnnxAgent(gateway, echo.pk, echo_onnx()),
+    )
 
 
 @dataclass

@@ -48,18 +48,18 @@ contents = st.builds(
     fp32_contents=st.lists(st.floats(width=32), max_size=10),
     int64_contents=st.lists(int64, max_size=5),
     bool_contents=st.lists(st.booleans(), max_size=5),
-    bytes_contents=st.lists(st.binary(max_size=4), max_size=2),
+    bytes_contents=st.lists(st.binary(max_size=4) | st.just(b"\xff\xfe"), max_size=3),
 )
 tensors = st.builds(
     pb.ModelInferRequest.InferInputTensor,
-    name=st.just("x") | utf8,
+    name=st.sampled_from(["x", "t"]) | utf8,
     datatype=st.sampled_from(sorted(OIP_TO_NUMPY)) | utf8,
     shape=shapes,
     contents=contents,
 )
 requests = st.builds(
     pb.ModelInferRequest,
-    model_name=st.sampled_from(["clf", "clf", "nope"]) | utf8,
+    model_name=st.sampled_from(["clf", "clf", "echo", "nope"]) | utf8,
     model_version=st.sampled_from(["", "", "1", "²", "0", "99999999999999999999"]) | utf8,
     id=utf8,
     inputs=st.lists(tensors, max_size=2),
@@ -67,7 +67,16 @@ requests = st.builds(
         st.builds(pb.ModelInferRequest.InferRequestedOutputTensor, name=st.just("y") | utf8),
         max_size=2,
     ),
-    raw_input_contents=st.lists(st.binary(max_size=20), max_size=2),
+    # Raw buffers: random bytes, and BYTES elements behind honest or lying length prefixes.
+    raw_input_contents=st.lists(
+        st.binary(max_size=20)
+        | st.builds(
+            lambda n, body: n.to_bytes(4, "little") + body,
+            st.sampled_from([0, 1, 2, 5, 2**31]),
+            st.binary(max_size=6),
+        ),
+        max_size=2,
+    ),
 ).map(lambda message: message.SerializeToString())
 payloads = requests | st.binary(max_size=64)
 

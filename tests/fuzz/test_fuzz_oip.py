@@ -101,3 +101,51 @@ def test_paths_methods_and_headers_never_get_a_server_error(
     )
     reply = request(method, "/v2/models/" + "/".join(parts), body.encode(), headers)
     assert_oip_shape(reply)
+
+
+# BYTES: JSON strings (nested or not), hostile values, and binary tensors whose 4-byte
+# length prefixes lie, on the ``echo`` model (string tensors in and out).
+byte_elements = st.binary(max_size=12) | st.sampled_from(
+    [b"\xff\xfe", b"caf\xc3\xa9", b"\xc3", b"\x00" * 5]
+)
+prefixes = st.integers(0, 2**32 - 1).map(lambda n: n.to_bytes(4, "little")) | st.sampled_from(
+    [b"\x03\x00\x00\x00", b"\xff\xff\xff\xff"]
+)
+bytes_tensors = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["t", "t", "u"]) | text,
+        "shape": st.sampled_from([[1], [2], [0], [3], [2, 1]]) | shapes,
+        "datatype": st.just("BYTES") | datatypes,
+    },
+    optional={
+        "data": st.lists(text | st.lists(text, max_size=2), max_size=4) | json_values,
+        "parameters": st.fixed_dictionaries(
+            {}, optional={"binary_data_size": st.integers(-1, 40) | json_values}
+        ),
+    },
+)
+
+
+@fuzz(300)
+@given(
+    doc=st.fixed_dictionaries(
+        {"inputs": st.lists(bytes_tensors, min_size=1, max_size=2)},
+        optional={"parameters": st.fixed_dictionaries({"binary_data_output": st.booleans()})},
+    ),
+    binary=st.lists(st.tuples(prefixes, byte_elements), max_size=4),
+    header=st.booleans(),
+)
+def test_bytes_tensors_never_get_a_server_error(
+    platform: Platform, doc: dict, binary: list[tuple[bytes, bytes]], header: bool
+) -> None:
+    head = json.dumps(doc).encode()
+    headers = [bearer(platform.key), JSON]
+    body = head
+    if header:
+        headers.append((b"inference-header-content-length", str(len(head)).encode()))
+        body += b"".join(p + e for p, e in binary)
+    reply = request("POST", "/v2/models/echo/infer", body, headers)
+    if reply.headers.get("content-type") == "application/octet-stream":  # binary outputs
+        assert reply.status == 200
+    else:
+        assert_oip_shape(reply)

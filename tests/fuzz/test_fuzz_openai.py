@@ -35,7 +35,14 @@ completion = st.fixed_dictionaries(
 chat = st.fixed_dictionaries(
     {"model": model}, optional={"messages": messages | json_values, **sampling}
 )
-embedding = st.fixed_dictionaries({"model": model}, optional={"input": text | json_values})
+embedding = st.fixed_dictionaries(
+    {"model": model | st.just("echo")},
+    optional={
+        "input": text | st.lists(text | st.lists(st.integers(-1, 2**40)), max_size=3) | json_values,
+        "encoding_format": st.sampled_from(["float", "base64", "int8"]) | json_values,
+        "dimensions": st.integers(-1, 2**70) | json_values,
+    },
+)
 routes = st.sampled_from(
     [
         ("/v1/completions", completion),

@@ -39,7 +39,7 @@ def artifacts(draw: st.DrawFn) -> bytes:
 fields = st.fixed_dictionaries(
     {},
     optional={
-        "format": st.sampled_from(["onnx", "textgen", "pickle", ""]),
+        "format": st.sampled_from(["onnx", "textgen", "torch", "pickle", ""]),
         "inputs": json_values.map(json.dumps) | st.sampled_from(HOSTILE_LITERALS),
         "outputs": json_values.map(json.dumps),
         "feature_names": json_values.map(json.dumps),

@@ -144,7 +144,7 @@ def test_openai_answers_hostile_bodies_with_an_openai_shaped_400(
 
 
 def test_openai_unknown_routes_get_an_openai_shaped_404(platform: Platform) -> None:
-    reply = request("POST", "/v1/embeddings", b"{}", [bearer(platform.key), JSON])
+    reply = request("POST", "/v1/audio/speech", b"{}", [bearer(platform.key), JSON])
     assert reply.status == 404 and reply.json()["error"]["message"]
 
 

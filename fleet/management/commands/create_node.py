@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from fleet.models import Node
 from fleet.nodes import create_node
+from tenants.audit import Actor
 from tenants.models import Tenant
 
 
@@ -26,7 +27,7 @@ class Command(BaseCommand):
             owner = Tenant.objects.filter(slug=tenant).first()
             if owner is None:
                 raise CommandError(f"no tenant {tenant!r}")
-        _, token = create_node(name, owner)
+        _, token = create_node(name, owner, Actor(None, "create_node command"))
         if quiet:
             self.stdout.write(token)
         else:

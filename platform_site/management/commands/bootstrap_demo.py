@@ -1,5 +1,6 @@
 """Set up the embedded demo: admin (an approver) and engineer users, demo tenant and key, a node,
-the fraud model serving, and the same model deployed with autoscaling on the local pool.
+the fraud model serving, the storyteller generator, the MiniLM embedding model, and the fraud
+model deployed with autoscaling on the local pool.
 
 Idempotent: a second run reuses what exists. Credentials are kept in ``var/demo.json`` (0600)
 so the start script can print them and hand the node token to the local agent; the command's own
@@ -9,6 +10,7 @@ output names no secret, since it ends up in ``var/bootstrap.log``.
 import json
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -24,7 +26,7 @@ from registry.models import ArtifactFormat, Model, TaskKind
 from registry.services import create_version, set_alias
 from tenants.audit import user_actor
 from tenants.keys import create_api_key, identify_key
-from tenants.models import Membership, Quota, Role, Tenant
+from tenants.models import Membership, Quota, Role, Scope, Tenant
 
 from ...demo.fraud import FEATURE_NAMES, train_fraud_model
 
@@ -46,27 +48,96 @@ class Command(BaseCommand):
 
     def _text_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
         """The demo generative model: a byte-level transformer trained on Moby-Dick."""
+        from ...demo.storyteller import train_text_model  # torch training: only here
+
+        self._generator(
+            tenant,
+            admin,
+            name="storyteller",
+            description="Demo text generator",
+            what="text model",
+            seconds_env=("SWITCHYARD_DEMO_TEXT_SECONDS", 90.0),
+            train=train_text_model,
+            format=ArtifactFormat.TEXTGEN,
+        )
+
+    def _llama_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
+        """The demo Hugging Face generator: a small Llama and its BPE tokenizer, trained here
+        in seconds and uploaded as an ``hf`` archive (safetensors, tokenizer.json, chat
+        template)."""
+        from ...demo.llama_storyteller import train_llama_storyteller  # torch: only here
+
+        self._generator(
+            tenant,
+            admin,
+            name="llama-storyteller",
+            description="Demo Llama-family generator",
+            what="Llama model",
+            seconds_env=("SWITCHYARD_DEMO_LLAMA_SECONDS", 20.0),
+            train=train_llama_storyteller,
+            format=ArtifactFormat.HF,
+        )
+
+    def _generator(
+        self,
+        tenant: Tenant,
+        admin: AbstractBaseUser,
+        *,
+        name: str,
+        description: str,
+        what: str,
+        seconds_env: tuple[str, float],
+        train: Callable[..., tuple[bytes, dict[str, Any]]],
+        format: ArtifactFormat,
+    ) -> None:
+        """A demo generator trained here for a bounded time (its environment variable, in
+        seconds) and put in production, once: a second run finds its version and stops."""
         model, _ = Model.objects.get_or_create(
             tenant=tenant,
-            name="storyteller",
-            defaults={"task": TaskKind.GENERATOR, "description": "Demo text generator"},
+            name=name,
+            defaults={"task": TaskKind.GENERATOR, "description": description},
         )
         if model.versions.exists():
             return
-        seconds = float(os.environ.get("SWITCHYARD_DEMO_TEXT_SECONDS", "90"))
-        self.stdout.write(f"training the demo text model for {seconds:g} s…")
-        from ...demo.storyteller import train_text_model  # torch training: only here
-
-        data, details = train_text_model(seconds=seconds)
+        variable, default = seconds_env
+        seconds = float(os.environ.get(variable, str(default)))
+        self.stdout.write(f"training the demo {what} for {seconds:g} s…")
+        data, details = train(seconds=seconds)
         version = create_version(
             model,
             data,
-            format=ArtifactFormat.TEXTGEN,
+            format=format,
             source_commit="demo",
-            # The architecture's context is 256 bytes: prompt and continuation share it.
+            # Both have 256 positions: prompt and continuation share them.
             max_input_tokens=128,
             max_output_tokens=128,
             **details,
+        )
+        set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
+
+    def _embedding_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
+        """The demo embedding model: MiniLM-L6 from the weights a Python package ships, exported
+        to ONNX with its pooling (cached across runs) and served with its tokenizer, so it
+        answers /v1/embeddings and OIP with text."""
+        model, _ = Model.objects.get_or_create(
+            tenant=tenant,
+            name="minilm",
+            defaults={
+                "task": TaskKind.EMBEDDING,
+                "description": "all-MiniLM-L6-v2 sentence embeddings (384 dimensions)",
+            },
+        )
+        if model.versions.exists():
+            return
+        self.stdout.write("exporting the demo embedding model to ONNX (once; then cached)…")
+        from ...demo import minilm  # torch export: only here
+
+        version = create_version(
+            model,
+            minilm.exported().read_bytes(),
+            tokenizer=minilm.tokenizer_path().read_bytes(),
+            source_commit="demo",
+            description="all-MiniLM-L6-v2, mean pooling and L2 normalization in the graph",
         )
         set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
 
@@ -134,8 +205,16 @@ class Command(BaseCommand):
         )
 
         api_key = saved.get("api_key")
-        if not api_key or identify_key(api_key) is None:
-            _, api_key = create_api_key(tenant, "demo key", user_actor(admin))
+        identity = identify_key(api_key) if api_key else None
+        if identity is None or identity.expired():
+            # The engineer's key (it acts as them): uploads and plans made with it are the
+            # engineer's, so the admin can approve their promotions (four eyes).
+            _, api_key = create_api_key(
+                tenant,
+                "demo key",
+                user_actor(engineer, Role.ENGINEER),
+                scopes=[Scope.PREDICT, Scope.DEPLOY],
+            )
 
         node = Node.objects.filter(name="local").first()
         node_token = saved.get("node_token")
@@ -162,6 +241,8 @@ class Command(BaseCommand):
             )
             set_alias(model, "production", version, user_actor(admin), "demo bootstrap")
         self._text_model(tenant, admin)
+        self._llama_model(tenant, admin)
+        self._embedding_model(tenant, admin)
         self._autoscaled_model(tenant, model, admin)
         return {
             "admin_user": "admin",
