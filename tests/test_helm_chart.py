@@ -105,6 +105,7 @@ def test_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert _get(docs, "PersistentVolumeClaim", "-media")
     kinds = {d["kind"] for d in docs}
     assert "Ingress" not in kinds and "ServiceMonitor" not in kinds
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-sync-pools")]
     job = _get(docs, "Job", "-migrate")
     assert "pre-upgrade" in job["metadata"]["annotations"]["helm.sh/hook"]
     config = _get(docs, "ConfigMap", "-config")["data"]
@@ -141,6 +142,10 @@ def test_gpu_pools_and_service_monitor(rendered: dict[str, list[dict[str, Any]]]
             "description": "",
         }
     ]
+    job = _get(docs, "Job", "-sync-pools")
+    assert job["metadata"]["annotations"]["helm.sh/hook-weight"] == "1"  # after migrate (0)
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert yaml.safe_load(command[-1]) == yaml.safe_load(pools)
     config = _get(docs, "ConfigMap", "-config")["data"]
     assert config["SWITCHYARD_AGENT_CUDA_IMAGE"].endswith("switchyard-agent-cuda:2.0-cuda12")
     monitor = _get(docs, "ServiceMonitor", "-switchyard")

@@ -44,3 +44,17 @@ securityContext:
   capabilities:
     drop: ["ALL"]
 {{- end }}
+
+{{/*
+The gpuPools value as fleet.Pool rows' fields (JSON): the ConfigMap's pools.json and the
+sync-pools Job's argument (the Job runs pre-upgrade, before the ConfigMap is updated, so it
+carries the new list itself).
+*/}}
+{{- define "switchyard.poolsJson" -}}
+{{- $pools := list }}
+{{- range .Values.gpuPools }}
+{{- $image := default (printf "%s:%s" $.Values.image.agentCuda.repository $.Values.image.agentCuda.tag) .image }}
+{{- $pools = append $pools (dict "name" (required "gpuPools[].name is required" .name) "backend" "kubernetes" "namespace" $.Release.Namespace "image" $image "node_selector" (default dict .nodeSelector) "tolerations" (default list .tolerations) "description" (default "" .description)) }}
+{{- end }}
+{{- $pools | toJson }}
+{{- end }}
