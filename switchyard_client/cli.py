@@ -182,10 +182,11 @@ def predict(model: str, body: str, as_json: bool) -> None:
 @click.argument("model")
 @click.argument("prompt")
 @click.option("--max-tokens", default=64)
-def generate(model: str, prompt: str, max_tokens: int) -> None:
+@click.option("--temperature", type=float, default=None, help="0: greedy (the server's default: 1)")
+def generate(model: str, prompt: str, max_tokens: int, temperature: float | None) -> None:
     """Stream a generation's tokens to stdout."""
     with client() as c:
-        for piece in c.generate(model, prompt, max_tokens):
+        for piece in c.generate(model, prompt, max_tokens, temperature):
             click.echo(piece, nl=False)
     click.echo()
 

@@ -160,9 +160,14 @@ class Client:
         answer: JSON = self._call("POST", f"/v2/models/{model}/infer", json=body)
         return answer
 
-    def generate(self, model: str, prompt: str, max_tokens: int = 64) -> Iterator[str]:
-        """Stream a generation's text pieces over the OpenAI-compatible completions SSE."""
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    def generate(
+        self, model: str, prompt: str, max_tokens: int = 64, temperature: float | None = None
+    ) -> Iterator[str]:
+        """Stream a generation's text pieces over the OpenAI-compatible completions SSE
+        (``temperature`` 0 is greedy; None leaves the server's default)."""
+        body: JSON = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        if temperature is not None:
+            body["temperature"] = temperature
         with self._http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code >= 400:
                 response.read()

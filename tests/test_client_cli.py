@@ -121,3 +121,70 @@ def test_bad_key_exits_1_with_the_server_message(platform, tmp_path):
 def test_usage_errors_exit_2(tmp_path):
     assert run(tmp_path, "models", "list").returncode == 2  # not logged in
     assert run(tmp_path, "no-such-command").returncode == 2
+
+
+def test_cli_rollouts_key_rotation_and_greedy_generation(platform, tmp_path):
+    from tests.e2e.test_streaming_e2e import textgen_artifact
+
+    url, key = platform
+    home = tmp_path / "config"
+    assert run(home, "login", "--url", url, "--key", key).returncode == 0
+
+    # A canary on a model of its own: start, show, kill.
+    assert run(home, "models", "create", "ranker").returncode == 0
+    path = tmp_path / "m.onnx"
+    path.write_bytes(small_onnx())
+    for _ in range(2):
+        pushed = run(home, "push", "ranker", str(path), "--json")
+        assert pushed.returncode == 0, pushed.stderr
+    assert run(home, "alias", "set", "ranker", "production", "1").returncode == 0
+    guardrails = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 200}
+    plan = json.dumps({"mode": "canary", "weight": 5, "guardrails": guardrails})
+    started = run(home, "rollout", "start", "ranker", "2", "--plan", plan, "--json")
+    assert started.returncode == 0, started.stderr
+    plan_id = json.loads(started.stdout)["id"]
+    shown = json.loads(run(home, "rollout", "show", str(plan_id), "--json").stdout)
+    assert (shown["state"], shown["baseline"], shown["candidate"], shown["weight"]) == (
+        "running",
+        1,
+        2,
+        5,
+    )
+    killed = run(home, "rollout", "kill", str(plan_id), "--json")
+    assert killed.returncode == 0, killed.stderr
+    assert json.loads(killed.stdout)["state"] == "rolled_back"
+    again = run(home, "rollout", "kill", str(plan_id))  # the server's refusal, exit 1
+    assert again.returncode == 1 and again.stderr.startswith("error: 4")
+
+    # Rotation: both keys work during the overlap; without one the old key stops at once.
+    def works(secret: str) -> bool:  # authenticated (a predict-only key may be refused 403)
+        listed = run(
+            tmp_path, "models", "list", env={"SWITCHYARD_URL": url, "SWITCHYARD_KEY": secret}
+        )
+        return not listed.stderr.startswith("error: 401")
+
+    made = json.loads(run(home, "keys", "create", "app", "--json").stdout)
+    rotated = run(home, "keys", "rotate", str(made["id"]), "--overlap-s", "60", "--json")
+    assert rotated.returncode == 0, rotated.stderr
+    second = json.loads(rotated.stdout)
+    assert second["key"] != made["key"] and works(made["key"]) and works(second["key"])
+    third = json.loads(
+        run(home, "keys", "rotate", str(second["id"]), "--overlap-s", "0", "--json").stdout
+    )
+    assert works(third["key"]) and not works(second["key"])
+
+    # A generation streamed by the CLI is the server's greedy completion, token for token.
+    assert run(home, "models", "create", "gen", "--task", "generator").returncode == 0
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(textgen_artifact())
+    pushed = run(home, "push", "gen", str(weights), "--format", "textgen", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert run(home, "alias", "set", "gen", "production", "1").returncode == 0
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+        wait_until(lambda: http.get("/v2/models/gen/ready").status_code == 200, 60)
+        body = {"model": "gen", "prompt": "once", "max_tokens": 12, "temperature": 0}
+        reference = http.post("/v1/completions", json=body, timeout=60).json()
+    streamed = run(home, "generate", "gen", "once", "--max-tokens", "12", "--temperature", "0")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == reference["choices"][0]["text"] + "\n"
+    assert 0 < reference["usage"]["completion_tokens"] <= 12
