@@ -19,12 +19,12 @@ from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from platform_site.errors import NotFound, TooLarge
+from serving_agent.pickles import pickle_kind
 from serving_agent.torch_archive import ArchiveError, read_archive
 from tenants.audit import SYSTEM, Actor, audit
 
 from .access import version_for
 from .models import MAX_ROLLBACK_WARM_S, Alias, AliasChange, ArtifactFormat, Model, ModelVersion
-from .pickles import pickle_kind
 from .signature import (
     SignatureError,
     check_declared_matches,

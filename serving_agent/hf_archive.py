@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
+from .pickles import pickle_protocol
+
 # model_type -> the transformers class that serves it (built from config.json, never from code
 # in the archive).
 SUPPORTED = {
@@ -272,7 +274,7 @@ def _check_member_kind(short: str, head: bytes) -> None:
         )
     if lower.endswith(CODE_SUFFIXES):
         raise ValueError(f"{short} is code: remote code is never run")
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+    if pickle_protocol(head) is not None:
         raise ValueError(f"{short} is a pickle (by its first bytes): pickles are never loaded")
     if head.startswith((b"PK\x03\x04", b"\x1f\x8b")):
         raise ValueError(f"{short} is a nested archive (a torch checkpoint is one): not accepted")

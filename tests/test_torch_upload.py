@@ -14,9 +14,9 @@ from sklearn.linear_model import LogisticRegression
 
 from registry import services
 from registry.models import ModelVersion
-from registry.pickles import pickle_kind
 from registry.services import create_version
 from registry.signature import SignatureError
+from serving_agent.pickles import pickle_kind
 from serving_agent.torch_archive import read_archive
 from tests.factories import key_client, make_model
 from tests.torch_models import mlp, rewrite_json

@@ -1,11 +1,14 @@
-"""Recognising pickle data in an upload, so that it is refused whatever format it claims.
+"""Recognising pickle data, so that it is refused whatever format it claims.
 
-Unpickling runs code chosen by whoever wrote the file; Switchyard never does it, and refuses
-such a file at upload with a message that says why, rather than a parser's confusing failure
-(or, worse, a later load that unpickles it). Recognised without unpickling: protocol 2-5
-streams by their header, protocol 0/1 streams by walking their opcodes with ``pickletools``
-(which only parses), and zip archives holding ``.pkl`` members (``torch.save``'s format, and
-what joblib and others write inside archives).
+Unpickling runs code chosen by whoever wrote the file; Switchyard never does it. The registry
+refuses such an upload, and the agent refuses an archive's pickled members before extracting
+them (``hf_archive``), both with these recognisers and a message that says why, rather than a
+parser's confusing failure (or, worse, a later load that unpickles it). It lives on the agent's
+side because the agent is packaged alone (no Django); the registry imports it from here.
+
+Recognised without unpickling: protocol 2-5 streams by their header, protocol 0/1 streams by
+walking their opcodes with ``pickletools`` (which only parses), and zip archives holding
+``.pkl`` members (``torch.save``'s format, and what joblib and others write inside archives).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MIN_OPCODES = 8
 
 
+def pickle_protocol(head: bytes) -> int | None:
+    """The protocol (2-5) of a pickle stream starting with ``head`` by its PROTO header, or None."""
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return head[1]
+    return None
+
+
 def pickle_kind(file: IO[bytes] | IO[str]) -> str | None:
     """What kind of pickle data ``file`` (seekable) holds, or None when it holds none."""
     file.seek(0)
@@ -33,8 +43,9 @@ def pickle_kind(file: IO[bytes] | IO[str]) -> str | None:
         # A text file object (a tokenizer given as a string): only protocol 0 is text.
         old = _parses_as_old_pickle(head.encode("utf-8", "surrogateescape"))
         return "a pickle (protocol 0)" if old else None
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return f"a pickle (protocol {head[1]})"
+    protocol = pickle_protocol(head)
+    if protocol is not None:
+        return f"a pickle (protocol {protocol})"
     if head[:4] == b"PK\x03\x04":
         try:
             with zipfile.ZipFile(cast(IO[bytes], file)) as zf:
