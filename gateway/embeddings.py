@@ -7,7 +7,6 @@ OpenAI's shape."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 from typing import Any, Literal
@@ -122,7 +121,7 @@ async def _answer(
         return replay.status, replay.body, [*replay.headers, idempotency.REPLAYED]
     # All outputs: a rollout plan's other arm may name its embedding output differently.
     parsed = ParsedInfer(None, [text_input], [array], None, set())
-    try:
+    async with pipeline.unanswered_releases(claim):
         routed, outputs = await pipeline.predict(
             state,
             identity,
@@ -133,14 +132,6 @@ async def _answer(
             after,
             sched,
         )
-    except asyncio.CancelledError:
-        if claim is not None:
-            in_background(claim.release())  # this task is being cancelled: not awaited here
-        raise
-    except BaseException:
-        if claim is not None:
-            await claim.release()  # not answered: the retry computes
-        raise
     vectors = [a for n, a in outputs if n != TOKEN_COUNT and a.ndim == 2]
     tokens = [a for n, a in outputs if n == TOKEN_COUNT]
     if len(vectors) != 1 or not tokens:

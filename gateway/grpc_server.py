@@ -176,7 +176,7 @@ async def _infer(
             observed.predicting = False  # nothing was computed: no metrics, no log row
             return pb.ModelInferResponse.FromString(claim.replay.body), True
     observed.mark("serialization")
-    try:
+    async with pipeline.unanswered_releases(claim):
         routed, outputs = await pipeline.predict(
             state,
             identity,
@@ -187,10 +187,6 @@ async def _infer(
             after,
             sched,
         )
-    except BaseException:
-        if claim is not None:  # not answered: the retry computes
-            in_background(claim.release())  # (this task may be being cancelled)
-        raise
     reply = grpc_codec.render_infer(
         routed.route,
         parsed.id,

@@ -141,26 +141,21 @@ async def _infer(
     assert task is not None
     watch = DisconnectWatch(receive, task)
     try:
-        routed, outputs = await pipeline.predict(
-            state,
-            identity,
-            route,
-            lambda h: _header(scope, h.encode()),
-            parsed,
-            observed,
-            after,
-            sched,
-        )
+        async with pipeline.unanswered_releases(claim):
+            routed, outputs = await pipeline.predict(
+                state,
+                identity,
+                route,
+                lambda h: _header(scope, h.encode()),
+                parsed,
+                observed,
+                after,
+                sched,
+            )
     except asyncio.CancelledError:
-        if claim is not None:
-            in_background(claim.release())  # this task is being cancelled: not awaited here
         if not watch.client_left or task.uncancel():
             raise  # cancelled from outside (shutdown), not by the client leaving
         raise ApiError(499, "the client disconnected before the answer") from None
-    except BaseException:
-        if claim is not None:
-            await claim.release()  # not answered: the retry computes
-        raise
     finally:
         watch.stop()
     payload, headers = render_infer(

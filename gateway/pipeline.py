@@ -4,14 +4,15 @@ dispatch. Each step raises ``ApiError`` with the status and a message that names
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
 import reprlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from tenants.ratelimit import retry_after_header
 
 from . import bytes_tensors, idempotency
 from .breakers import Breaker
-from .dispatch import RETRY_STATUSES, DispatchError, status_of
+from .dispatch import RETRY_STATUSES, DispatchError, in_background, status_of
 from .metrics import Observed
 from .routes import DEFAULT_ALIAS, InputSpec, Route, RouteMissing
 from .state import GatewayState
@@ -208,6 +209,24 @@ async def claim_key(
         raise ApiError(409, str(exc), [("Retry-After", "1")]) from None
     except Unprocessable as exc:
         raise ApiError(422, str(exc)) from None
+
+
+@asynccontextmanager
+async def unanswered_releases(claim: idempotency.Claim | None) -> AsyncIterator[None]:
+    """Around the computation of a request holding an Idempotency-Key ``claim``: when it ends
+    without an answer (an error, or the task cancelled) the key is released, so a retry
+    computes. Every front door answers through this one rule."""
+    if claim is None:
+        yield
+        return
+    try:
+        yield
+    except asyncio.CancelledError:
+        in_background(claim.release())  # a task being cancelled cannot await the release
+        raise
+    except BaseException:
+        await claim.release()
+        raise
 
 
 def check_input(

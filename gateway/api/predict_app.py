@@ -160,7 +160,7 @@ async def _predict(
         return claim.replay.body
     observed.mark("serialization")
     parsed = pipeline.ParsedInfer(None, names, arrays, outputs, set())
-    try:
+    async with pipeline.unanswered_releases(claim):
         routed, result = await pipeline.predict(
             state,
             identity,
@@ -171,10 +171,6 @@ async def _predict(
             reply.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
             sched,
         )
-    except BaseException:
-        if claim is not None:
-            in_background(claim.release())  # not answered: the retry computes
-        raise
     answer: dict[str, Any] = {
         "model": routed.route.model_name,
         "version": routed.route.version,
