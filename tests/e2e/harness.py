@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -72,6 +73,18 @@ class Backend:
 
         with psycopg.connect(url.replace("postgres://", "postgresql://", 1)) as conn:
             return conn.execute(sql.replace("?", "%s"), params).fetchall()
+
+    def agent_stats(self) -> dict[str, Any]:
+        """The live agent session's latest heartbeat stats (the newest, if several)."""
+        rows = self.query(
+            "SELECT stats FROM gateway_agentsession WHERE disconnected_at IS NULL "
+            "ORDER BY id DESC LIMIT 1"
+        )
+        if not rows:
+            return {}
+        stats = rows[0][0]
+        # SQLite's JSON is text; PostgreSQL's jsonb arrives parsed.
+        return dict(json.loads(stats) if isinstance(stats, str) else stats)
 
     def close(self) -> None:
         for step in reversed(self.cleanup):

@@ -9,7 +9,6 @@ turn after at most the request running, and the flood is held to its share (429s
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -42,13 +41,7 @@ def second_key(backend: Backend, slug: str, priority: int = 1) -> str:
 
 def agent_counters(backend: Backend) -> dict[str, int]:
     """The live agent session's latest heartbeat (written every 0.5 s here)."""
-    # A direct read, not ``manage.py shell`` (seconds of start-up): tests poll this.
-    ((stats,),) = backend.query(
-        "SELECT stats FROM gateway_agentsession WHERE disconnected_at IS NULL "
-        "ORDER BY id DESC LIMIT 1"
-    )
-    if isinstance(stats, str):  # SQLite's JSON is text; PostgreSQL's jsonb arrives parsed
-        stats = json.loads(stats)
+    stats = backend.agent_stats()  # a direct read: tests poll this
     names = ("expired_total", "cancelled_total", "shed_total", "batch_rows_total")
     return {name: int(stats.get(name, 0)) for name in names}
 

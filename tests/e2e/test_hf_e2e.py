@@ -27,12 +27,6 @@ pytestmark = pytest.mark.e2e
 
 FAMILIES = ("llama", "gpt2")
 LIMITS = {"format": "hf", "max_input_tokens": "64", "max_output_tokens": "64"}
-STATS = """
-import json
-from fleet.models import AgentSession
-session = AgentSession.objects.filter(disconnected_at__isnull=True).latest("pk")
-print(json.dumps(session.stats))
-"""
 
 
 class Family:
@@ -214,7 +208,7 @@ def test_sixteen_concurrent_streams_batched_equal_each_alone(platform, families)
     alone = {sid: families["llama"].expected(p, 16)[0] for sid, p in prompts.items()}
     assert together == alone
     # The agent's heartbeat reports its largest decode batch so far.
-    batch = lambda: json.loads(backend.shell(STATS)).get("max_decode_batch", 0)  # noqa: E731
+    batch = lambda: backend.agent_stats().get("max_decode_batch", 0)  # noqa: E731
     wait_until(lambda: batch() >= 8, 10)
 
 
