@@ -205,7 +205,8 @@ class Engine:
     is of a better class than the worst one waiting, which is evicted for it. Waiting streams
     are admitted best class first (``GenerateRequest.priority``), in arrival order within a
     class; one whose admission deadline (``budget_ms`` from its arrival) passes while it
-    waits is answered "expired" and never computed. Drops are counted in ``counts`` (the agent's ``SchedCounts``).
+    waits is answered "expired" and never computed. Drops are counted in ``counts`` (the
+    agent's ``SchedCounts``).
 
     The event loop owns admission (``submit``, ``cancel``) and sending; the worker thread owns
     the model, the KV cache and the active batch. They meet only between steps.
