@@ -376,6 +376,8 @@ class Engine:
         self._wakeup.set()
         if self._task is not None:
             await self._task
+        await self._send(self._dropped)  # dropped while waiting: answered as they were
+        self._dropped = []
         stranded = [*self._live.values()]
         self._live.clear()
         self._waiting.clear()
