@@ -201,20 +201,6 @@ def test_the_openai_client_library_works_unchanged(platform):
     assert MODEL in [m.id for m in client.models.list()]
 
 
-def test_an_agent_killed_mid_stream_ends_the_stream_with_an_error(platform):
-    _, url, key, procs = platform
-    agent = procs[1]
-    with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
-        ws.send(json.dumps({"type": "generate", "id": "k", "prompt": "Go", "max_tokens": 900}))
-        assert json.loads(ws.recv(timeout=30))["type"] == "token"
-        agent.popen.kill()
-        killed_at = time.monotonic()
-        while (frame := json.loads(ws.recv(timeout=30)))["type"] == "token":
-            pass
-    assert frame["type"] == "error" and frame["code"] == "agent_failed", frame
-    assert time.monotonic() - killed_at < 10
-
-
 def test_a_stream_still_waiting_for_a_slot_past_its_deadline_is_dropped_unrun(platform):
     """One slot (max_streams=1), taken by a long stream: a stream with a short deadline waits
     and is answered 504 (OpenAI) / a timeout frame (socket) without a token; the agent counts
@@ -249,3 +235,17 @@ def test_a_stream_still_waiting_for_a_slot_past_its_deadline_is_dropped_unrun(pl
     assert frames[-1]["type"] == "error" and frames[-1]["code"] == "timeout", frames[-1]
     assert not [f for f in frames if f["id"] == "late" and f["type"] == "token"]
     wait_until(lambda: agent_stats(backend).get("expired_total", 0) - before >= 2, 10)
+
+
+def test_an_agent_killed_mid_stream_ends_the_stream_with_an_error(platform):
+    _, url, key, procs = platform
+    agent = procs[1]
+    with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        ws.send(json.dumps({"type": "generate", "id": "k", "prompt": "Go", "max_tokens": 900}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "token"
+        agent.popen.kill()
+        killed_at = time.monotonic()
+        while (frame := json.loads(ws.recv(timeout=30)))["type"] == "token":
+            pass
+    assert frame["type"] == "error" and frame["code"] == "agent_failed", frame
+    assert time.monotonic() - killed_at < 10
