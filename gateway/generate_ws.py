@@ -9,12 +9,19 @@ Authenticate with ``Authorization: Bearer <key>`` on the handshake, or a first m
 same-origin only). Then, any number of times, possibly at once:
 
     → {"type": "generate", "id": "g1", "prompt": "...", "max_tokens": 64, "temperature": 0.8,
-       "top_p": 0.95, "stop": ["\\n\\n"], "seed": 7, "routing_key": "user-42"}
+       "top_p": 0.95, "stop": ["\\n\\n"], "seed": 7, "routing_key": "user-42",
+       "priority": "batch", "timeout_ms": 2000}
     ← {"type": "token", "id": "g1", "text": "...", "tokens": 2}        (one or more)
     ← {"type": "done", "id": "g1", "finish_reason": "length", "model": "...", "version": 3,
        "arm": "candidate", "usage": {"input_tokens", "output_tokens", "ttft_ms",
        "tokens_per_second", "total_ms"}}
     → {"type": "cancel", "id": "g1"}                                  (optional)
+
+``priority`` (a class name: critical, interactive, batch, shadow; or 1 best .. 4) orders the
+streams waiting for a slot on the agent; ``timeout_ms`` bounds that wait (a stream still
+waiting then gets a ``timeout`` error). The handshake's ``X-Switchyard-Priority`` and
+``X-Switchyard-Timeout-Ms`` headers set them for every generation on the socket. Without them,
+the key's priority and the server's timeout; a class above the key's is ``forbidden``.
 
 A problem is an error frame ``{"type": "error", "id": ..., "code": ..., "message": ...}``; the
 socket stays open except for a bad key (closed 4401) and a client too slow to read its tokens
@@ -38,7 +45,7 @@ import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.http.request import validate_host
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from platform_site.tokens import bearer
 from tenants.keys import KeyIdentity
@@ -47,7 +54,14 @@ from tenants.members import session_identity
 from .db import db_call
 from .dispatch import DispatchError, SlowClient
 from .generation import GenerateParams, start_generation
-from .pipeline import ApiError, authenticate
+from .pipeline import (
+    PRIORITY_HEADER,
+    TIMEOUT_HEADER,
+    ApiError,
+    Schedule,
+    authenticate,
+    generation_schedule,
+)
 from .state import get_state
 
 log = logging.getLogger(__name__)
@@ -80,6 +94,8 @@ class GenerateRequestMessage(GenerateParams):
     type: str
     id: str | None = None
     routing_key: str | None = None
+    priority: Any = None  # read by pipeline.generation_schedule, which names it in its errors
+    timeout_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class GenerateConsumer(AsyncWebsocketConsumer):
@@ -93,6 +109,9 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         self.running: dict[str, asyncio.Task[None]] = {}
         await self.accept()
         headers = dict(self.scope.get("headers") or [])
+        # The handshake's scheduling headers: defaults for every generation on the socket.
+        self.priority_header = _latin1(headers.get(PRIORITY_HEADER.encode()))
+        self.timeout_header = _latin1(headers.get(TIMEOUT_HEADER.encode()))
         authorization = headers.get(b"authorization")
         user = self.scope.get("user")
         if authorization is not None:
@@ -188,12 +207,28 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         if stream_id in self.running:
             await self.error(stream_id, 400, f"id: generation {stream_id!r} is still running")
             return
+        assert self.identity is not None  # receive() starts generations once authenticated
+        try:
+            sched = generation_schedule(
+                self.state,
+                self.identity,
+                request.priority,
+                self.priority_header,
+                self.timeout_header,
+            )
+        except ApiError as exc:
+            await self.error(stream_id, exc.status, exc.message)
+            return
+        if request.timeout_ms is not None:
+            sched = Schedule(sched.priority, min(sched.budget_ms, request.timeout_ms))
         # The message is a GenerateParams with its envelope fields: already validated.
-        task = asyncio.create_task(self._run(stream_id, request, request.routing_key))
+        task = asyncio.create_task(self._run(stream_id, request, request.routing_key, sched))
         self.running[stream_id] = task
         task.add_done_callback(lambda _t: self.running.pop(stream_id, None))
 
-    async def _run(self, stream_id: str, params: GenerateParams, routing_key: str | None) -> None:
+    async def _run(
+        self, stream_id: str, params: GenerateParams, routing_key: str | None, sched: Schedule
+    ) -> None:
         assert self.identity is not None  # receive() starts generations once authenticated
         generation = None
         try:
@@ -202,7 +237,14 @@ class GenerateConsumer(AsyncWebsocketConsumer):
                 await self.send_json({"type": "loading", "id": stream_id, **progress})
 
             generation = await start_generation(
-                self.state, self.identity, self.model_name, params, routing_key, stream_id, loading
+                self.state,
+                self.identity,
+                self.model_name,
+                params,
+                routing_key,
+                stream_id,
+                loading,
+                sched=sched,
             )
             async for chunk in generation.chunks():
                 await self.send_json(
@@ -256,3 +298,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.send_json(payload)
         except Exception:  # the socket is gone: nobody is left to tell
             log.debug("could not send %s on a closed socket", payload.get("type"))
+
+
+def _latin1(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")

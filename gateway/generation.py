@@ -25,6 +25,8 @@ from .dispatch import DispatchError, SlowClient, StreamInbox
 from .pipeline import (
     ApiError,
     Routed,
+    Schedule,
+    default_schedule,
     hold_in_flight,
     model_ref,
     release_in_flight,
@@ -202,13 +204,24 @@ async def start_generation(
     request_id: str | None = None,
     on_loading: Progress | None = None,
     chat: Chat | None = None,
+    sched: Schedule | None = None,
 ) -> Generation:
     """Resolve the model (through its rollout plan), check every limit, start the stream. The
-    stream counts against its key's in-flight limit until ``Generation.close``."""
+    stream counts against its key's in-flight limit until ``Generation.close``. ``sched``
+    (``pipeline.generation_schedule``; the key's default without) travels to the agent: its
+    class orders the streams waiting for a slot, its budget bounds that wait."""
     hold_in_flight(state, identity)
     try:
         return await _start(
-            state, identity, model_name, params, routing_key, request_id, on_loading, chat
+            state,
+            identity,
+            model_name,
+            params,
+            routing_key,
+            request_id,
+            on_loading,
+            chat,
+            sched or default_schedule(state, identity),
         )
     except BaseException:
         release_in_flight(state, identity)
@@ -223,7 +236,8 @@ async def _start(
     routing_key: str | None,
     request_id: str | None,
     on_loading: Progress | None,
-    chat: Chat | None = None,
+    chat: Chat | None,
+    sched: Schedule,
 ) -> Generation:
     started = time.perf_counter()
     # ``model_name`` may name an alias or a version: ``name@staging``, ``name@3``.
@@ -277,6 +291,9 @@ async def _start(
         stop=stop,
         seed=params.seed,
         trace=(tracing.current.get() or tracing.start_trace(None, None)).traceparent,
+        priority=sched.priority,
+        # What is left of it after a cold start: the wait for the agent counted too.
+        budget_ms=max(0.0, sched.budget_ms - (time.perf_counter() - started) * 1000),
     )
     try:
         stream = await state.pool.open_stream(request)

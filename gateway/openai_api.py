@@ -31,7 +31,14 @@ from serving_agent.protocol import ChatTurn, TokenChunk
 
 from . import idempotency, tracing
 from .generation import Chat, GenerateParams, Generation, StopString, start_generation
-from .pipeline import ApiError, authenticate, claim_key
+from .pipeline import (
+    PRIORITY_HEADER,
+    TIMEOUT_HEADER,
+    ApiError,
+    authenticate,
+    claim_key,
+    generation_schedule,
+)
 from .routes import DEFAULT_ALIAS
 from .state import get_state
 
@@ -68,6 +75,9 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     user: str | None = None
     n: Literal[1] = 1
+    # Switchyard's (through ``extra_body``): the stream's priority class, which
+    # ``pipeline.generation_schedule`` reads (and names in its errors).
+    priority: Any = None
 
 
 class CompletionBody(_Body):
@@ -169,6 +179,13 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
         identity = await authenticate(state, request.headers.get("Authorization"))
         raw = _body(request)
         body, params = _parse(raw, chat)
+        sched = generation_schedule(
+            state,
+            identity,
+            body.priority,
+            request.headers.get(PRIORITY_HEADER),
+            request.headers.get(TIMEOUT_HEADER),
+        )
         if not body.stream:  # a stream cannot be given again: its key is not used
             claim = await claim_key(
                 state,
@@ -193,6 +210,7 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
             body.user,
             request.headers.get("X-Request-Id"),
             chat=messages,
+            sched=sched,
         )
     except ApiError as exc:
         if claim is not None:

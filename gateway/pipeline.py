@@ -269,6 +269,7 @@ def schedule(
     identity: KeyIdentity,
     parameters: object = None,
     timeout_header: str | None = None,
+    priority_field: str = "parameters.priority",
 ) -> Schedule:
     """The schedule a request asks for, within what its key allows. Every front door calls it.
 
@@ -277,16 +278,17 @@ def schedule(
     ``timeout`` (microseconds, as Triton). ``timeout_header``: the value of the
     ``x-switchyard-timeout-ms`` header, if sent. Without either, the key's priority and the
     server's timeout; a timeout is capped at the server's. A value that cannot be read is a 400;
-    a priority above the key's (its ceiling) a 403.
+    a priority above the key's (its ceiling) a 403. Errors about the priority name
+    ``priority_field``, where the caller put it.
     """
     params = parameters if parameters is not None else {}
     if not isinstance(params, dict):
         raise ApiError(400, "parameters: must be an object")
-    priority = _priority(params.get("priority"), identity.priority)
+    priority = _priority(params.get("priority"), identity.priority, priority_field)
     if priority < identity.priority:
         raise ApiError(
             403,
-            f"parameters.priority: {PRIORITY_CLASSES[priority]!r} is above what this API key "
+            f"{priority_field}: {PRIORITY_CLASSES[priority]!r} is above what this API key "
             f"may ask for ({PRIORITY_CLASSES[identity.priority]!r})",
         )
     budget_ms = state.infer_timeout * 1000
@@ -316,7 +318,7 @@ def schedule(
     return Schedule(priority, budget_ms)
 
 
-def _priority(asked: object, default: int) -> int:
+def _priority(asked: object, default: int, where: str = "parameters.priority") -> int:
     if asked is None:
         return default
     if isinstance(asked, str) and asked in PRIORITY_CLASSES:
@@ -325,9 +327,46 @@ def _priority(asked: object, default: int) -> int:
         return default if asked == 0 else asked - 1
     raise ApiError(
         400,
-        f"parameters.priority: must be one of {', '.join(PRIORITY_CLASSES)}, or an integer "
+        f"{where}: must be one of {', '.join(PRIORITY_CLASSES)}, or an integer "
         f"0-4 (1 best, 0 the key's default); got {shown(asked)}",
     )
+
+
+PRIORITY_HEADER = "x-switchyard-priority"
+
+
+def generation_schedule(
+    state: GatewayState,
+    identity: KeyIdentity,
+    priority: object = None,
+    priority_header: str | None = None,
+    timeout_header: str | None = None,
+) -> Schedule:
+    """The schedule of a text generation (OpenAI's API, the generation socket): its class from
+    the request's ``priority`` field (as OIP's parameter: a class name, or 1 best .. 4, 0 the
+    key's default) or the ``x-switchyard-priority`` header (a class name); both may be sent
+    if they agree. Its budget, from the timeout header, bounds its wait for a slot on the agent
+    (its first token). Otherwise as ``schedule``: the key's class by default, a 403 above it.
+    """
+    field_name = "priority"
+    if priority_header is not None:
+        named = priority_header.strip()
+        if named not in PRIORITY_CLASSES:
+            raise ApiError(
+                400,
+                f"{PRIORITY_HEADER}: must be one of {', '.join(PRIORITY_CLASSES)}, got "
+                f"{priority_header[:40]!r}",
+            )
+        if priority is None:
+            priority, field_name = named, PRIORITY_HEADER
+        elif _priority(priority, identity.priority, "priority") != PRIORITY_CLASSES.index(named):
+            raise ApiError(
+                400,
+                f"priority: {shown(priority)} disagrees with the {PRIORITY_HEADER} header "
+                f"({named!r}); send one",
+            )
+    params = None if priority is None else {"priority": priority}
+    return schedule(state, identity, params, timeout_header, priority_field=field_name)
 
 
 def default_schedule(state: GatewayState, identity: KeyIdentity | None = None) -> Schedule:

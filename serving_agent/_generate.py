@@ -12,7 +12,9 @@ step through per-row positions and an attention mask (``TextGenModel.forward``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -23,9 +25,12 @@ from typing import Protocol
 
 import torch
 
+from ._batcher import SchedCounts
 from ._exceptions import BadInput, NotLoaded, Overloaded
 from ._generation_stats import GenerationStats
 from .protocol import (
+    MAX_BUDGET_MS,
+    PRIORITY_CLASSES,
     ChatTurn,
     FinishReason,
     GenerateDone,
@@ -156,6 +161,9 @@ class Stream:
     received: float
     generator: torch.Generator | None  # None: greedy
     detok: Detok = field(default_factory=Detokenizer)
+    # perf_counter() past which it is not worth admitting: its first token would be late
+    deadline: float = math.inf
+    seq: int = 0  # arrival order, for FIFO within a priority class
     row: int = -1  # cache row while active
     pos: int = 0  # position of ``pending``, the token the next step feeds
     pending: int = 0
@@ -192,6 +200,14 @@ def held_back(text: str, stops: list[str]) -> int:
 class Engine:
     """Decodes every stream of one generative version together, one token per stream per step.
 
+    At most ``max_streams`` streams decode at once; ``max_waiting`` more (as many again by
+    default) may wait for a slot, and past that a stream is refused ("overloaded"), unless it
+    is of a better class than the worst one waiting, which is evicted for it. Waiting streams
+    are admitted best class first (``GenerateRequest.priority``), in arrival order within a
+    class; one whose admission deadline (``budget_ms`` from its arrival) passes while it
+    waits is answered "expired" and never computed. Drops are counted in ``counts`` (the
+    agent's ``SchedCounts``).
+
     The event loop owns admission (``submit``, ``cancel``) and sending; the worker thread owns
     the model, the KV cache and the active batch. They meet only between steps.
     """
@@ -203,17 +219,22 @@ class Engine:
         *,
         provider: str = "torch-cpu",
         threads: int = 1,
+        counts: SchedCounts | None = None,
     ) -> None:
         # The byte model is wrapped; a Hugging Face model comes as its adapter.
         self.model: Decoder = ByteDecoder(model) if isinstance(model, TextGenModel) else model
         self.limits = limits or GenerationLimits()
         self.provider = provider
         self.stats = GenerationStats()
+        self.counts = counts or SchedCounts()  # the agent shares one across its versions
         # Rows grow (doubling) with the streams actually admitted, never past max_streams.
         self.cache = self.model.new_cache(min(4, self.limits.max_streams))
         self._active: list[Stream] = []  # worker-owned: row i of the cache is _active[i]
         self._live: dict[int, Stream] = {}  # loop-owned: every stream not yet finished
-        self._waiting: list[Stream] = []  # loop-owned: arrived since the last step
+        # loop-owned: not yet admitted, sorted by (priority, seq): best class first, FIFO
+        self._waiting: list[Stream] = []
+        self._dropped: Out = []  # loop-owned: error frames of streams dropped unrun, to send
+        self._seq = 0
         self._cancel: set[Stream] = set()  # loop-owned: to stop at the next step
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -259,8 +280,13 @@ class Engine:
             raise BadInput(f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters")
         if request.id in self._live:
             raise BadInput(f"request id {request.id} is already generating")
-        if len(self._live) >= limits.max_streams:
-            raise Overloaded(f"{limits.max_streams} streams already generating on this replica")
+        room = limits.max_waiting or limits.max_streams  # for streams waiting for a slot
+        if len(self._live) >= limits.max_streams + room and not self._evict_for(request.priority):
+            self.counts.shed += 1
+            raise Overloaded(
+                f"{limits.max_streams} streams already generating and {room} waiting on this "
+                "replica"
+            )
         generator = None
         if request.temperature > 0:
             generator = torch.Generator()
@@ -268,19 +294,65 @@ class Engine:
                 generator.seed()
             else:
                 generator.manual_seed(request.seed)
+        arrived = time.perf_counter() if received is None else received
+        budget_ms = request.budget_ms
+        self._seq += 1
         stream = Stream(
             request=request,
             prompt=prompt or self.model.start_tokens(),
             send=send,
-            received=time.perf_counter() if received is None else received,
+            received=arrived,
             generator=generator,
             detok=self.model.detokenizer(),
+            deadline=math.inf
+            if budget_ms is None
+            else arrived + min(budget_ms, MAX_BUDGET_MS) / 1000,
+            seq=self._seq,
         )
         self._live[request.id] = stream
-        self._waiting.append(stream)
+        bisect.insort(self._waiting, stream, key=_admission_order)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="textgen")
+
+    def _evict_for(self, priority: int) -> bool:
+        """Make room for a stream of class ``priority`` by evicting the newest waiting stream
+        of the worst class, if that class is worse; False when none is."""
+        if not self._waiting or self._waiting[-1].request.priority <= priority:
+            return False
+        victim = self._waiting.pop()
+        del self._live[victim.id]
+        self.counts.shed += 1
+        cls = PRIORITY_CLASSES[priority]
+        message = f"evicted from the waiting streams for a {cls!r} stream"
+        self._dropped.append((victim, error_frame(victim.id, "overloaded", message)))
+        return True
+
+    def _admissions(self, cancel: set[Stream]) -> list[Stream]:
+        """The waiting streams that take the slots free after this step's cancels, best class
+        first; waiting streams past their deadline are dropped (answered "expired"), cancelled
+        ones are left to the step (which answers them "cancelled")."""
+        now = time.perf_counter()
+        kept: list[Stream] = []
+        for stream in self._waiting:
+            if stream in cancel:
+                self.counts.cancelled += 1
+            elif stream.deadline <= now:
+                self.counts.expired += 1
+                if self._live.get(stream.id) is stream:
+                    del self._live[stream.id]
+                waited_ms = (now - stream.received) * 1000
+                message = (
+                    f"waited {waited_ms:.0f} ms for a generation slot, past its budget of "
+                    f"{stream.request.budget_ms:.0f} ms"
+                )
+                self._dropped.append((stream, error_frame(stream.id, "expired", message)))
+            else:
+                kept.append(stream)
+        running = sum(1 for s in self._active if s not in cancel)
+        free = max(0, self.limits.max_streams - running)
+        admit, self._waiting = kept[:free], kept[free:]
+        return admit
 
     def cancel(self, request_id: int) -> None:
         """Stop a stream at the next step; it ends with ``finish_reason="cancelled"``."""
@@ -304,6 +376,8 @@ class Engine:
         self._wakeup.set()
         if self._task is not None:
             await self._task
+        await self._send(self._dropped)  # dropped while waiting: answered as they were
+        self._dropped = []
         stranded = [*self._live.values()]
         self._live.clear()
         self._waiting.clear()
@@ -316,7 +390,7 @@ class Engine:
 
     async def _run(self) -> None:
         while not self._stopped:
-            if not (self._waiting or self._cancel or self._active):
+            if not (self._waiting or self._cancel or self._active or self._dropped):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -324,8 +398,10 @@ class Engine:
 
     async def step(self) -> None:
         """One scheduler turn: the step on the worker thread, then its frames out."""
-        admit, self._waiting = self._waiting, []
         cancel, self._cancel = self._cancel, set()
+        admit = self._admissions(cancel)
+        dropped, self._dropped = self._dropped, []
+        await self._send(dropped)  # before the step: these callers need not wait for it
         loop = asyncio.get_running_loop()
         try:
             out, finished = await loop.run_in_executor(self._executor, self._step, admit, cancel)
@@ -336,6 +412,9 @@ class Engine:
         for stream in finished:
             if self._live.get(stream.id) is stream:
                 del self._live[stream.id]
+        await self._send(out)
+
+    async def _send(self, out: Out) -> None:
         for send, frames in frames_by_sender(out).items():
             try:
                 await send(frames)
@@ -467,6 +546,10 @@ class Engine:
                 self._active[stream.row], last.row = last, stream.row
             self._active.pop()
             stream.row = -1
+
+
+def _admission_order(stream: Stream) -> tuple[int, int]:
+    return stream.request.priority, stream.seq
 
 
 def frames_by_sender(out: Out) -> dict[SendFrames, list[bytes]]:

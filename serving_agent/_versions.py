@@ -386,6 +386,7 @@ class VersionSet:
         )
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         engine.set_limits(spec.generation)
+        engine.counts = self.sched_counts  # its drops are the agent's, as its batchers'
         self.loaded[version_id] = LoadedTextGen(spec, engine, usage)
         logger.info(
             "version %d ready on %s (%s, warm-up generation %.1f ms, %s measured)",

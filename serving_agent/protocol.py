@@ -75,6 +75,8 @@ class GenerationLimits(BaseModel):
     max_input_tokens: int = 512
     max_output_tokens: int = 256
     max_streams: int = 16  # concurrent streams decoded together on one replica
+    # streams that may wait for a slot (admitted best priority class first); 0: max_streams
+    max_waiting: int = Field(default=0, ge=0)
 
 
 class VersionSpec(BaseModel):
@@ -318,8 +320,9 @@ class InferError(msgspec.Struct, tag="error", tag_field="type"):
 # (which also cancels a queued infer request).
 # Agent -> platform: ``TokenChunk`` (one or more tokens of text), then ``GenerateDone``; or an
 # ``InferError`` with the request's id ("bad_input" past the version's token limits,
-# "overloaded" past its concurrent streams). An agent sends the chunks of one engine step as
-# one ``TokenBatch`` frame per connection; the platform also takes single ``TokenChunk``s.
+# "overloaded" past its concurrent and waiting streams, "expired" past its admission budget).
+# An agent sends the chunks of one engine step as one ``TokenBatch`` frame per connection; the
+# platform also takes single ``TokenChunk``s.
 
 
 class ChatTurn(msgspec.Struct):
@@ -341,6 +344,13 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type"):
     # A chat, rendered by the agent with the model's own chat template (hf versions); when
     # set, ``prompt`` is ignored.
     messages: list[ChatTurn] = []
+    # Scheduling, as ``InferRequest``'s: a stream waiting for a slot is admitted best class
+    # first (FIFO within a class). ``budget_ms`` is the deadline of its admission (its first
+    # token), counted from the frame's arrival: one still waiting past it is answered
+    # "expired" and never run. Defaults keep an older platform's frames valid, and an older
+    # agent ignores the fields (msgspec skips unknown fields).
+    priority: Annotated[int, msgspec.Meta(ge=0, le=len(PRIORITY_CLASSES) - 1)] = INTERACTIVE
+    budget_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 class CancelGenerate(msgspec.Struct, tag="cancel", tag_field="type"):

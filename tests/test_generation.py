@@ -30,6 +30,9 @@ from platform_site.routing import websocket_urlpatterns
 from registry.models import ArtifactFormat, ModelVersion
 from registry.services import TEXTGEN_INPUTS, TEXTGEN_OUTPUTS, set_alias
 from serving_agent.protocol import (
+    BATCH,
+    INTERACTIVE,
+    SHADOW,
     CancelGenerate,
     GenerateDone,
     GenerateRequest,
@@ -37,9 +40,10 @@ from serving_agent.protocol import (
     TokenChunk,
     decode_frame,
     encode_frame,
+    error_frame,
     unpack_frames,
 )
-from tests.factories import make_model, make_version
+from tests.factories import make_key, make_model, make_version
 from tests.onnx_models import small_onnx
 
 
@@ -501,6 +505,159 @@ def test_openai_errors_in_openais_shape(writer, state, key_name, body, status, e
     response, answer = run(openai_post(key, "/v1/completions", body))
     assert response.status_code == status
     assert answer["error"]["type"] == error_type and words in answer["error"]["message"]
+
+
+# Priority and deadline: from the field, the header or the key, carried to the agent ----------
+
+
+class ExpiringAgent(FakeAgent):
+    """Answers every stream as an agent does one still waiting for a slot past its budget."""
+
+    async def stream(self, request: GenerateRequest) -> None:
+        message = f"waited 5 ms for a generation slot, past its budget of {request.budget_ms} ms"
+        self.pool.deliver(self.link, error_frame(request.id, "expired", message))
+
+
+def openai_with(key: str, path: str, body: dict, headers: dict):
+    async def call():
+        response = await AsyncClient().post(
+            path,
+            body,
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {key}", **headers},
+        )
+        return response, response.json()
+
+    return call
+
+
+def test_openai_priority_and_timeout_travel_to_the_agent(writer, state):
+    _, batch_key = make_key(writer.a, "nightly", priority=BATCH)
+    body = {"model": "writer", "prompt": "hi", "max_tokens": 2}
+
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk)
+        answers = [
+            await openai_with(writer.key_a, "/v1/completions", body, {})(),
+            await openai_with(writer.key_a, "/v1/completions", body | {"priority": "shadow"}, {})(),
+            await openai_with(
+                writer.key_a,
+                "/v1/chat/completions",
+                {
+                    "model": "writer",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                {"X-Switchyard-Priority": "batch", "X-Switchyard-Timeout-Ms": "250"},
+            )(),
+            await openai_with(batch_key, "/v1/completions", body, {})(),
+        ]
+        return agent, answers
+
+    agent, answers = run(scenario)
+    assert [response.status_code for response, _ in answers] == [200] * 4
+    sent = [(r.priority, r.budget_ms) for r in agent.requests]
+    assert [priority for priority, _ in sent] == [INTERACTIVE, SHADOW, BATCH, BATCH]
+    server_ms = state().infer_timeout * 1000
+    assert server_ms - 1000 < sent[0][1] <= server_ms  # less what admission took
+    assert 0 < sent[2][1] <= 250
+
+
+@pytest.mark.parametrize(
+    "body_fields, headers, status, error_type, words",
+    [
+        ({"priority": "urgent"}, {}, 400, "invalid_request_error", "priority: must be one of"),
+        ({"priority": [1]}, {}, 400, "invalid_request_error", "priority: must be one of"),
+        ({}, {"X-Switchyard-Priority": "3"}, 400, "invalid_request_error", "x-switchyard-prio"),
+        ({"priority": "batch"}, {"X-Switchyard-Priority": "shadow"}, 400, "invalid", "disagree"),
+        ({}, {"X-Switchyard-Timeout-Ms": "-1"}, 400, "invalid_request_error", "timeout-ms"),
+        ({"priority": "critical"}, {}, 403, "permission_error", "'critical' is above"),
+        ({}, {"X-Switchyard-Priority": "interactive"}, 403, "permission_error", "is above"),
+    ],
+)
+def test_openai_bad_or_forbidden_priority_in_openais_shape(
+    writer, state, body_fields, headers, status, error_type, words
+):
+    _, batch_key = make_key(writer.a, "nightly", priority=BATCH)
+    body = {"model": "writer", "prompt": "hi", "max_tokens": 2} | body_fields
+
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk)
+        return agent, await openai_with(batch_key, "/v1/completions", body, headers)()
+
+    agent, (response, answer) = run(scenario)
+    assert response.status_code == status
+    assert error_type in answer["error"]["type"] and words in answer["error"]["message"]
+    assert agent.requests == []  # refused before any agent heard of it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stream_the_agent_drops_past_its_deadline_is_a_504_in_openais_shape(
+    writer, state, stream
+):
+    body = {"model": "writer", "prompt": "hi", "max_tokens": 2, "stream": stream}
+
+    async def scenario():
+        ExpiringAgent(state(), writer.version.pk)
+        headers = {"X-Switchyard-Timeout-Ms": "5"}
+        return await openai_with(writer.key_a, "/v1/completions", body, headers)()
+
+    response, answer = run(scenario)
+    assert response.status_code == 504
+    assert "past its budget of" in answer["error"]["message"]
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_socket_takes_priority_and_timeout_from_the_frame_or_the_handshake(writer, state):
+    _, batch_key = make_key(writer.a, "nightly", priority=BATCH)
+    handshake = [(b"x-switchyard-priority", b"shadow"), (b"x-switchyard-timeout-ms", b"400")]
+
+    async def scenario():
+        agent = FakeAgent(state(), writer.version.pk)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to(
+                {"type": "generate", "id": "a", "prompt": "x", "priority": 3, "timeout_ms": 300}
+            )
+            first = await frames_until_end(ws, "a")
+        async with socket(writer.key_a, headers=handshake) as ws:
+            await ws.send_json_to({"type": "generate", "id": "b", "prompt": "x"})
+            second = await frames_until_end(ws, "b")
+        async with socket(batch_key) as ws:
+            bad = []
+            for frame in [
+                {"type": "generate", "id": "c", "prompt": "x", "priority": "urgent"},
+                {"type": "generate", "id": "d", "prompt": "x", "priority": "critical"},
+                {"type": "generate", "id": "e", "prompt": "x", "timeout_ms": 0},
+            ]:
+                await ws.send_json_to(frame)
+                bad.append(await ws.receive_json_from(timeout=5))
+        return agent, first, second, bad
+
+    agent, first, second, bad = run(scenario)
+    assert first[-1]["type"] == second[-1]["type"] == "done"
+    (a, b) = agent.requests
+    assert a.priority == BATCH and 0 < a.budget_ms <= 300
+    assert b.priority == SHADOW and 0 < b.budget_ms <= 400
+    assert [(f["id"], f["code"]) for f in bad] == [
+        ("c", "bad_request"),
+        ("d", "forbidden"),
+        ("e", "bad_request"),
+    ]
+    assert bad[0]["message"].startswith("priority: must be one of")
+    assert bad[1]["message"].startswith("priority: 'critical' is above")
+    assert bad[2]["message"].startswith("timeout_ms:")
+
+
+def test_a_stream_dropped_past_its_deadline_is_a_timeout_frame_on_the_socket(writer, state):
+    async def scenario():
+        ExpiringAgent(state(), writer.version.pk)
+        async with socket(writer.key_a) as ws:
+            await ws.send_json_to({"type": "generate", "id": "g", "prompt": "x", "timeout_ms": 5})
+            return await frames_until_end(ws, "g")
+
+    (error,) = run(scenario)
+    assert (error["type"], error["id"], error["code"]) == ("error", "g", "timeout")
+    assert "past its budget of" in error["message"]
 
 
 # Budgets, in process and in Redis -------------------------------------------------------------

@@ -12,6 +12,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from asgiref.sync import async_to_sync
@@ -33,6 +34,7 @@ from serving_agent.protocol import (
     INTERACTIVE,
     SHADOW,
     CancelGenerate,
+    GenerateRequest,
     InferRequest,
     TensorSpec,
     VersionSpec,
@@ -373,3 +375,67 @@ def test_a_forwarded_cancel_opens_no_reply_route_and_the_cancelled_answer_closes
     assert list(routes_while_queued) == [7]
     assert routes_after == {}
     assert decode_frame(answered)[0].code == "cancelled"
+
+
+# pipeline.generation_schedule: OpenAI's ``priority`` field and the socket's, or the header ----
+
+
+def gen_plan(
+    field: object = None,
+    header: str | None = None,
+    timeout: str | None = None,
+    key: int = INTERACTIVE,
+) -> Schedule:
+    state: Any = SimpleNamespace(infer_timeout=SERVER_TIMEOUT_S)
+    return pipeline.generation_schedule(state, identity(key), field, header, timeout)
+
+
+def test_a_generation_takes_its_class_from_the_field_or_the_header() -> None:
+    assert gen_plan() == Schedule(INTERACTIVE, 10_000)
+    assert gen_plan(key=BATCH) == Schedule(BATCH, 10_000)  # the key's default
+    assert gen_plan("batch").priority == BATCH
+    assert gen_plan(4).priority == SHADOW  # Triton's integers, as OIP's parameter
+    assert gen_plan(header=" shadow ").priority == SHADOW
+    assert gen_plan("batch", "batch", "300") == Schedule(BATCH, 300)  # both, agreeing
+
+
+@pytest.mark.parametrize(
+    ("field", "header", "timeout", "names"),
+    [
+        ("urgent", None, None, "priority"),
+        (True, None, None, "priority"),
+        ({"class": "batch"}, None, None, "priority"),
+        (None, "urgent", None, "x-switchyard-priority"),
+        (None, "1", None, "x-switchyard-priority"),  # the header takes a class name only
+        (None, "x" * 400, None, "x-switchyard-priority"),
+        ("critical", "batch", None, "priority"),  # both, disagreeing
+        (None, None, "soon", "x-switchyard-timeout-ms"),
+    ],
+)
+def test_a_generations_unreadable_priority_is_a_400_naming_where_it_was(
+    field: object, header: str | None, timeout: str | None, names: str
+) -> None:
+    with pytest.raises(ApiError) as caught:
+        gen_plan(field, header, timeout)
+    assert caught.value.status == 400
+    assert caught.value.message.startswith(names + ":")
+    assert len(caught.value.message) < 200
+
+
+def test_a_generation_above_the_keys_ceiling_is_a_403_naming_where_it_was() -> None:
+    with pytest.raises(ApiError) as caught:
+        gen_plan("critical", key=BATCH)
+    assert caught.value.status == 403 and caught.value.message.startswith("priority: 'critical'")
+    with pytest.raises(ApiError) as caught:
+        gen_plan(header="interactive", key=BATCH)
+    assert caught.value.status == 403
+    assert caught.value.message.startswith("x-switchyard-priority: 'interactive'")
+
+
+def test_a_generate_frame_without_scheduling_fields_decodes_to_the_defaults() -> None:
+    # An older gateway's frame: an agent reads it as interactive, without a deadline.
+    old = msgspec.json.encode({"type": "generate", "id": 1, "version_id": 2, "prompt": "x"})
+    frame = msgspec.json.decode(old, type=GenerateRequest)
+    assert (frame.priority, frame.budget_ms) == (INTERACTIVE, None)
+    sent = GenerateRequest(id=1, version_id=2, prompt="x", priority=SHADOW, budget_ms=12.5)
+    assert decode_frame(encode_frame(sent))[0] == sent

@@ -64,6 +64,7 @@ class Collector:
 
     def __init__(self) -> None:
         self.frames: dict[int, list[FrameHeader]] = defaultdict(list)
+        self.started: list[int] = []  # request ids in the order of their first frame
         self.sends = 0
         self._ended: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
 
@@ -71,6 +72,8 @@ class Collector:
         self.sends += 1
         for frame in frames:
             for header in unbatch(decode_frame(frame)[0]):
+                if header.id not in self.frames:
+                    self.started.append(header.id)
                 self.frames[header.id].append(header)
                 if isinstance(header, GenerateDone | InferError):
                     self._ended[header.id].set()
@@ -315,14 +318,15 @@ async def test_requests_past_the_limits_are_refused(make_engine: Callable[..., E
         engine.submit(request(1, "Call", max_new_tokens=21), out)
     assert e.value.code == "bad_input"
 
-    engine.submit(request(1, "Call", max_new_tokens=20), out)
-    engine.submit(request(2, "me", max_new_tokens=20), out)
-    with pytest.raises(Exception, match="2 streams already generating") as e:
-        engine.submit(request(3, "Ishmael", max_new_tokens=20), out)
+    for i in range(1, 5):  # two generate, two wait for a slot
+        engine.submit(request(i, "Call", max_new_tokens=20), out)
+    with pytest.raises(Exception, match="2 streams already generating and 2 waiting") as e:
+        engine.submit(request(5, "Ishmael", max_new_tokens=20), out)
     assert e.value.code == "overloaded"
-    await out.wait(1, 2)
-    engine.submit(request(3, "Ishmael", max_new_tokens=20), out)  # room again
-    await out.wait(3)
+    assert engine.counts.shed == 1
+    await out.wait(1, 2, 3, 4)
+    engine.submit(request(5, "Ishmael", max_new_tokens=20), out)  # room again
+    await out.wait(5)
 
 
 async def test_the_model_context_caps_the_prompt_below_a_larger_limit(
@@ -591,3 +595,72 @@ async def test_new_limits_apply_without_a_reload(served: AgentRun, artifact: byt
     await served.ws.send(generate_message(4, "Call me", max_new_tokens=9))
     (error,) = await served.stream(4)
     assert isinstance(error, InferError) and error.code == "bad_input"
+
+
+# Admission: priority classes and deadlines ------------------------------------------------------
+
+
+async def test_waiting_streams_are_admitted_best_class_first_fifo_within_a_class(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, out = make_engine(max_streams=1, max_waiting=8), Collector()
+    engine.submit(request(0, "Call me", max_new_tokens=12), out)  # holds the only slot
+    await until(lambda: engine.stats.decode_steps_total >= 1)
+    # critical 0, interactive 1, batch 2, shadow 3
+    for request_id, priority in [(1, 2), (2, 1), (3, 3), (4, 0), (5, 1), (6, 0), (7, 2)]:
+        engine.submit(request(request_id, "Whale", max_new_tokens=2, priority=priority), out)
+    await out.wait(*range(8))
+    assert out.started == [0, 4, 6, 2, 5, 1, 7, 3]
+    assert {out.end(i).finish_reason for i in range(8)} == {"length"}
+
+
+async def test_a_stream_still_waiting_past_its_budget_is_dropped_unrun(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, out = make_engine(max_streams=1, max_waiting=2), Collector()
+    engine.submit(request(0, "Call me", max_new_tokens=40), out)
+    await until(lambda: engine.stats.decode_steps_total >= 1)
+    engine.submit(request(1, "Whale", max_new_tokens=4, budget_ms=1.0), out)  # gone by its turn
+    engine.submit(request(2, "Whale", max_new_tokens=4, budget_ms=60_000.0), out)
+    await out.wait(1)
+    error = out.end(1)
+    assert isinstance(error, InferError) and error.code == "expired"
+    assert "past its budget of 1 ms" in error.message
+    assert out.frames[1] == [error]  # no token: never computed
+    assert engine.counts.expired == 1
+    assert not out._ended[0].is_set()  # dropped while the slot was still taken
+    await out.wait(0, 2)
+    assert out.end(2).finish_reason == "length"  # a budget long enough is admitted
+    assert engine.stats.tokens_generated_total == 40 + 4
+
+
+async def test_a_full_waiting_room_evicts_a_worse_class_for_a_better_one(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, out = make_engine(max_streams=1, max_waiting=1), Collector()
+    engine.submit(request(0, "Call me", max_new_tokens=20), out)
+    await until(lambda: engine.stats.decode_steps_total >= 1)
+    engine.submit(request(1, "Whale", max_new_tokens=2, priority=2), out)  # batch, waits
+    with pytest.raises(Exception, match="1 streams already generating") as e:
+        engine.submit(request(2, "Whale", max_new_tokens=2, priority=2), out)  # no worse
+    assert e.value.code == "overloaded"
+    engine.submit(request(3, "Whale", max_new_tokens=2, priority=0), out)  # critical: evicts
+    await out.wait(0, 1, 3)
+    evicted = out.end(1)
+    assert isinstance(evicted, InferError) and evicted.code == "overloaded"
+    assert "for a 'critical' stream" in evicted.message
+    assert out.end(3).finish_reason == "length"
+    assert engine.counts.shed == 2
+
+
+async def test_a_waiting_stream_cancelled_is_counted_and_never_run(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, out = make_engine(max_streams=1), Collector()
+    engine.submit(request(0, "Call me", max_new_tokens=20), out)
+    await until(lambda: engine.stats.decode_steps_total >= 1)
+    engine.submit(request(1, "Whale", max_new_tokens=4), out)
+    engine.cancel(1)
+    await out.wait(0, 1)
+    assert out.end(1).finish_reason == "cancelled" and out.end(1).output_tokens == 0
+    assert engine.counts.cancelled == 1

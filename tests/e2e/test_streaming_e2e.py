@@ -201,6 +201,42 @@ def test_the_openai_client_library_works_unchanged(platform):
     assert MODEL in [m.id for m in client.models.list()]
 
 
+def test_a_stream_still_waiting_for_a_slot_past_its_deadline_is_dropped_unrun(platform):
+    """One slot (max_streams=1), taken by a long stream: a stream with a short deadline waits
+    and is answered 504 (OpenAI) / a timeout frame (socket) without a token; the agent counts
+    it as expired."""
+    backend, url, key, procs = platform
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as api:
+        created = api.post("/api/v1/models", json={"name": "narrow", "task": "generator"})
+        assert created.status_code == 201, created.text
+        files = {"artifact": ("w.safetensors", textgen_artifact(**LONG), "application/x")}
+        limits = {"format": "textgen", "max_output_tokens": "900", "max_streams": "1"}
+        version = api.post("/api/v1/models/narrow/versions", files=files, data=limits)
+        assert version.status_code == 201, version.text
+        moved = api.put("/api/v1/models/narrow/aliases/production", json={"version": 1})
+        assert moved.status_code == 200, moved.text
+        wait_ready(api, "narrow", timeout=60, proc=procs[1])
+        before = agent_stats(backend).get("expired_total", 0)
+        narrow = url.replace("http://", "ws://") + "/ws/v1/models/narrow/generate"
+        with connect(narrow, additional_headers=headers) as ws:
+            hold = {"type": "generate", "id": "hold", "prompt": "Go", "max_tokens": 900}
+            ws.send(json.dumps(hold))
+            assert json.loads(ws.recv(timeout=30))["type"] == "token"  # the slot is taken
+            late = api.post(
+                "/v1/completions",
+                json={"model": "narrow", "prompt": "Hi", "max_tokens": 4},
+                headers={"X-Switchyard-Timeout-Ms": "50"},
+            )
+            frames = generate(ws, "late", "Hi", max_tokens=4, timeout_ms=50, priority="batch")
+            ws.send(json.dumps({"type": "cancel", "id": "hold"}))
+    assert late.status_code == 504, late.text
+    assert "past its budget" in late.json()["error"]["message"]
+    assert frames[-1]["type"] == "error" and frames[-1]["code"] == "timeout", frames[-1]
+    assert not [f for f in frames if f["id"] == "late" and f["type"] == "token"]
+    wait_until(lambda: agent_stats(backend).get("expired_total", 0) - before >= 2, 10)
+
+
 def test_an_agent_killed_mid_stream_ends_the_stream_with_an_error(platform):
     _, url, key, procs = platform
     agent = procs[1]

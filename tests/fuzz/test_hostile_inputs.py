@@ -132,6 +132,8 @@ def test_a_good_request_is_answered(platform: Platform) -> None:
         (b'{"model": "clf", "prompt": "\\ud800"}', "surrogate"),
         (b'{"model": "clf", "prompt": "x", "temperature": NaN}', "JSON"),
         (b'{"model": "clf", "prompt": "x", "max_tokens": 1e400}', "JSON"),
+        (b'{"model": "clf", "prompt": "x", "priority": [' + b"1," * 9999 + b"1]}", "priority:"),
+        (b'{"model": "clf", "prompt": "x", "priority": 1e308}', "priority:"),
     ],
 )
 def test_openai_answers_hostile_bodies_with_an_openai_shaped_400(
