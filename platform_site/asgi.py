@@ -87,10 +87,11 @@ class ProcessServers:
         self._starting: asyncio.Task[None] | None = None  # the flag: one start at a time
         self._retry_at = 0.0
         self._stop_hooked = False
+        self._stopped = False  # the process is stopping: a late request starts nothing again
 
     def on_scope(self) -> None:
         """Start them, in the background, unless started, starting, or the lifespan's."""
-        if self.started or self.lifespan or self._starting is not None:
+        if self.started or self.lifespan or self._starting is not None or self._stopped:
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self._retry_at:
@@ -122,7 +123,7 @@ class ProcessServers:
 
     async def stop(self) -> None:
         """Close both, then write what the prediction log still buffers."""
-        self.started = False
+        self.started, self._stopped = False, True
         await grpc_server.stop()
         await stop_links()
         await flush_prediction_logs()
