@@ -272,6 +272,11 @@ async def start() -> int | None:
     return bound
 
 
+def running() -> bool:
+    """Whether this process's gRPC server is started (and not stopped since)."""
+    return bool(_servers)
+
+
 async def stop(grace_s: float = 5.0) -> None:
     """Finish the calls in flight (for up to ``grace_s``), then close."""
     while _servers:

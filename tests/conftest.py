@@ -123,3 +123,17 @@ def _fast_password_hashing():
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     yield
     settings.PASSWORD_HASHERS = hashers
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_servers_beside_the_asgi_application():
+    """Tests call the ASGI application without a server, so no lifespan: its first scope would
+    start the gRPC server (port 8001 by default) and the agents' link address on the test's
+    event loop, which nothing stops (``platform_site.asgi.ProcessServers``). The tests of those
+    servers turn them on themselves."""
+    from django.conf import settings
+
+    kept = settings.SWITCHYARD_GRPC_PORT, settings.SWITCHYARD_AGENT_LINKS
+    settings.SWITCHYARD_GRPC_PORT, settings.SWITCHYARD_AGENT_LINKS = 0, False
+    yield
+    settings.SWITCHYARD_GRPC_PORT, settings.SWITCHYARD_AGENT_LINKS = kept

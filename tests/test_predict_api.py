@@ -26,7 +26,9 @@ from gateway.state import GatewayState
 from platform_site.asgi import application
 from serving_agent._serving import result_frame
 from serving_agent.protocol import (
+    BATCH,
     INTERACTIVE,
+    SHADOW,
     InferRequest,
     decode_frame,
     error_frame,
@@ -353,3 +355,113 @@ def test_the_keys_class_and_a_shorter_deadline_travel_to_the_agent(served, state
     assert first.priority == second.priority == INTERACTIVE  # the key's class
     assert first.budget_ms == state.infer_timeout * 1000 and second.budget_ms == 250.0
     assert first.tenant == served.a.pk and first.key  # whose request it is, for fairness
+
+
+# Scheduling parameters ------------------------------------------------------------------------
+
+ROW = [[0.1, 0.2, 0.3, 0.4]]
+
+
+def test_parameters_schedule_the_request_as_on_oip(served, state):
+    replies = calls(
+        Call(
+            {"instances": ROW, "parameters": {"priority": "batch", "timeout": 250_000}},
+            served.key_a,
+        ),
+        Call({"instances": ROW, "parameters": {"priority": 4}}, served.key_a),  # Triton's
+        Call(
+            {"inputs": {"x": ROW}, "parameters": {"timeout": 2_000_000, "priority": None}},
+            served.key_a,
+            headers=[(b"x-switchyard-timeout-ms", b"40")],  # the shorter of both
+        ),
+        Call({"instances": ROW, "parameters": {}}, served.key_a),
+    )
+    assert [status for status, _, _ in replies] == [200] * 4, replies
+    scheduled = [(r.priority, r.budget_ms) for r in served.agent.requests]
+    server = state.infer_timeout * 1000
+    assert scheduled == [
+        (BATCH, 250.0),
+        (SHADOW, server),
+        (INTERACTIVE, 40.0),
+        (INTERACTIVE, server),
+    ]
+
+
+def test_a_priority_above_the_keys_ceiling_is_a_403(served):
+    _, nightly = make_key(served.a, "nightly", priority=BATCH)
+    refused, allowed = calls(
+        Call({"instances": ROW, "parameters": {"priority": "interactive"}}, nightly),
+        Call({"instances": ROW, "parameters": {"priority": "shadow"}}, nightly),
+    )
+    assert refused[0] == 403
+    assert refused[2]["error"] == (
+        "parameters.priority: 'interactive' is above what this API key may ask for ('batch')"
+    )
+    assert allowed[0] == 200
+    assert [r.priority for r in served.agent.requests] == [SHADOW]
+
+
+@pytest.mark.parametrize(
+    "parameters, words",
+    [
+        ([1], "parameters: Invalid data. Expected a dictionary"),
+        ("batch", "parameters: Invalid data. Expected a dictionary"),
+        (
+            {"timeout_ms": 5},
+            "parameters.timeout_ms: unknown parameter; send only priority, timeout",
+        ),
+        ({"priority": "asap"}, "parameters.priority: must be one of critical, interactive"),
+        ({"priority": True}, "parameters.priority: must be one of"),
+        ({"priority": 5}, "parameters.priority: must be one of"),
+        ({"timeout": "100"}, "parameters.timeout: must be a positive number of microseconds"),
+        ({"timeout": -1}, "parameters.timeout: must be a positive number of microseconds"),
+        ({"timeout": [1]}, "parameters.timeout: must be a positive number of microseconds"),
+    ],
+)
+def test_bad_parameters_are_a_400_naming_the_parameter(served, parameters, words):
+    status, _, answer = post({"instances": ROW, "parameters": parameters}, served.key_a)
+    assert status == 400, answer
+    assert answer["error"].startswith(words), answer
+    assert served.agent.requests == []  # refused before anything reached the agent
+
+
+@pytest.mark.django_db(transaction=True)  # the test client closes connections between calls
+def test_the_drf_view_reads_parameters_as_the_lean_app_does(served, state):
+    _, nightly = make_key(served.a, "nightly", priority=BATCH)
+
+    async def through_django(key: str, parameters: object):
+        reply = await AsyncClient().post(
+            URL,
+            {"instances": ROW, "parameters": parameters},
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        return reply.status_code, reply.json()
+
+    async def scenario():
+        return [
+            await through_django(served.key_a, {"timeout": 125_000}),
+            await through_django(nightly, {"priority": "critical"}),
+            await through_django(served.key_a, {"deadline": 1}),
+        ]
+
+    timed, above, unknown = async_to_sync(scenario)()
+    assert timed[0] == 200, timed
+    assert [r.budget_ms for r in served.agent.requests] == [125.0]
+    assert above[0] == 403 and above[1]["error"].startswith("parameters.priority: 'critical'")
+    assert unknown[0] == 400 and unknown[1]["error"].startswith("parameters.deadline: unknown")
+
+
+def test_the_schema_documents_the_parameters(served):
+    client = APIClient(HTTP_AUTHORIZATION=f"Bearer {served.key_a}")
+    schema = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    operation = schema["paths"]["/api/v1/models/{name}/predict"]["post"]
+    assert "403" in operation["responses"]
+    request = schema["components"]["schemas"]["PredictRequest"]["properties"]["parameters"]
+    parameters = schema["components"]["schemas"][request["$ref"].rsplit("/", 1)[1]]
+    assert set(parameters["properties"]) == {"priority", "timeout"}
+    priority = parameters["properties"]["priority"]
+    assert {"type": "string", "enum": ["critical", "interactive", "batch", "shadow"]} in (
+        priority["oneOf"]
+    )
+    assert "microseconds" in parameters["properties"]["timeout"]["description"]

@@ -148,8 +148,11 @@ async def _predict(
     raw = await read()
     data = parse_body(header("content-type"), raw)
     names, arrays, outputs = arrays_from_predict_body(data, route)
-    # The key's class; a deadline shorter than the server's from the header, as on OIP.
-    sched = pipeline.schedule(state, identity, None, header(pipeline.TIMEOUT_HEADER))
+    # The body's parameters (priority, timeout) and the timeout header, read as on OIP: the
+    # serializer refused unknown names and left the values to ``schedule``.
+    sched = pipeline.schedule(
+        state, identity, data.get("parameters"), header(pipeline.TIMEOUT_HEADER)
+    )
     claim = await pipeline.claim_key(
         state, identity, header(idempotency.HEADER), "POST", _path_of(url), raw
     )

@@ -64,6 +64,7 @@ class PredictView(APIView):
                 "version is neither a positive integer nor a valid alias name."
             ),
             401: _error("No API key, or an invalid or revoked one."),
+            403: _error("`parameters.priority` asks for a class above the API key's."),
             404: _error("No such model (or version, or alias) in the key's tenant."),
             413: _error("The body is larger than SWITCHYARD_MAX_BODY_BYTES."),
             415: _error("The body is not JSON."),
@@ -74,10 +75,20 @@ class PredictView(APIView):
         # Required, though DRF's own checks never run here. The value is the security
         # requirement itself (drf-spectacular returns it as given; its annotation says str).
         auth=[{"apiKey": []}],  # type: ignore[list-item]
-        examples=[OpenApiExample("named features", value={"instances": [{"amount": 12.5}]})],
+        examples=[
+            OpenApiExample("named features", value={"instances": [{"amount": 12.5}]}),
+            OpenApiExample(
+                "scheduled",
+                value={
+                    "instances": [{"amount": 12.5}],
+                    "parameters": {"priority": "batch", "timeout": 250_000},
+                },
+            ),
+        ],
         description="Bearer API key required. Runs the model behind the `production` alias "
         "and its rollout plan; `/versions/{version}/predict` names a version number, or an "
-        "alias name (`staging`), which goes through that alias's own rollout plan. JSON only.",
+        "alias name (`staging`), which goes through that alias's own rollout plan. JSON only. "
+        "`parameters` schedules it as OIP's infer `parameters` do (priority class, timeout).",
     )
     async def post(self, request: Request, name: str, version: str | None = None) -> Response:
         # For the schema only (dispatch answers POST); a coroutine, as Django serves the view

@@ -13,7 +13,14 @@ from tritonclient.utils import InferenceServerException
 from tests.onnx_models import small_onnx
 
 from .conftest import BACKENDS, make_backend, upload_and_promote, wait_ready
-from .harness import create_node, create_tenant, free_port, start_agent, start_server
+from .harness import (
+    create_node,
+    create_tenant,
+    free_port,
+    services_available,
+    start_agent,
+    start_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -90,3 +97,36 @@ def test_a_hostile_tensor_is_invalid_argument(grpc_stack):
     exc = refusal(grpc_stack, key_a, lambda c, h: c.infer("clf", [x_input(x)], headers=h))
     assert exc.status() == "StatusCode.INVALID_ARGUMENT"
     assert "does not match the signature" in exc.message()
+
+
+def test_grpc_serves_under_daphne_which_sends_no_lifespan(tmp_path_factory, rng):
+    """Daphne sends no ASGI lifespan events: its first request (the harness's liveness probe)
+    starts gRPC and, with Redis, the agents' link address; SIGTERM stops them (the process
+    deregisters its link address). One backend, the one with links when it is there."""
+    name = "services" if services_available() else "embedded"
+    backend = make_backend(name, tmp_path_factory.mktemp(f"daphne-{name}"))
+    port, grpc_port = free_port(), free_port()
+    server = start_server(backend, "daphne", port, grpc_port=grpc_port)
+    url = f"http://127.0.0.1:{port}"
+    agent = start_agent(backend, url, create_node(backend, "node-1"))
+    try:
+        key, artifact = create_tenant(backend, "alpha"), small_onnx()
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
+            upload_and_promote(client, "clf", artifact)
+            wait_ready(client, "clf", proc=agent)
+        x = rng.normal(size=(3, 4)).astype(np.float32)
+        with triton.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            assert client.is_server_ready()
+            result = client.infer("clf", [x_input(x)], headers=auth(key))
+        want = ort.InferenceSession(artifact).run(None, {"x": x})[0]
+        np.testing.assert_allclose(result.as_numpy("y"), want, rtol=1e-5, atol=1e-6)
+        if name == "services":
+            links = "SELECT count(*) FROM fleet_gatewayprocess"
+            assert backend.query(links) == [(1,)]  # daphne's link address, registered
+            server.stop()  # SIGTERM: Twisted's shutdown stops gRPC and the links
+            assert backend.query(links) == [(0,)], server.log()[-3000:]
+            assert "Traceback" not in server.log(), server.log()[-3000:]
+    finally:
+        agent.stop()
+        server.stop()
+        backend.close()

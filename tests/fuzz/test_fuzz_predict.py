@@ -20,6 +20,15 @@ documents = st.fixed_dictionaries(
         "inputs": st.dictionaries(st.just("x") | text, st.lists(rows, max_size=2) | json_values)
         | json_values,
         "outputs": st.lists(st.just("y") | text, max_size=2) | json_values,
+        "parameters": st.fixed_dictionaries(
+            {},
+            optional={
+                "priority": st.sampled_from(["critical", "batch", 0, 1, 5, "asap"]) | json_values,
+                "timeout": numbers | json_values,
+            },
+        )
+        | st.dictionaries(text, json_values, max_size=2)
+        | json_values,
     },
 )
 content_types = st.sampled_from(
