@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -29,6 +29,9 @@ from platform_site.errors import Invalid, TooLarge
 
 from . import services
 from .models import Model, ModelVersion
+
+if TYPE_CHECKING:
+    from storages.backends.s3 import S3Storage
 
 FIELD = "artifact_uri"
 _CHUNK = 1024 * 1024
@@ -44,6 +47,8 @@ def register_by_reference(model: Model, uri: str, **kwargs: Any) -> ModelVersion
         raise Invalid(FIELD, "must not contain control characters or backslashes")
     parts = urlsplit(uri)
     if parts.scheme == "s3":
+        if parts.query or parts.fragment:  # would be cut off the key: name exactly one object
+            raise Invalid(FIELD, "an s3:// reference must not contain '?' or '#'")
         return _from_s3(model, uri, parts.netloc, parts.path.removeprefix("/"), **kwargs)
     if parts.scheme == "" and uri.startswith("/"):
         return _from_local(model, uri, **kwargs)
@@ -70,14 +75,15 @@ def s3_import_prefix(model: Model) -> str:
 def _from_s3(model: Model, uri: str, bucket: str, key: str, **kwargs: Any) -> ModelVersion:
     if settings.SWITCHYARD_STORAGE != "s3":
         raise Invalid(FIELD, "s3:// references need SWITCHYARD_STORAGE=s3 on this platform")
-    own_bucket = default_storage.bucket_name
+    storage = cast("S3Storage", default_storage)  # SWITCHYARD_STORAGE=s3 configures it
+    own_bucket = storage.bucket_name
     if bucket != own_bucket:
         raise Invalid(FIELD, f"bucket {bucket!r} is not this platform's bucket ({own_bucket!r})")
     _no_dot_segments(key)
     prefix = s3_import_prefix(model)
     if not key.startswith(prefix) or key == prefix or "//" in key:
         raise Invalid(FIELD, f"the key must be an object under {prefix!r} in {own_bucket!r}")
-    client = default_storage.connection.meta.client
+    client = storage.connection.meta.client
     from botocore.exceptions import ClientError
 
     try:

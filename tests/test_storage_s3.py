@@ -216,6 +216,8 @@ def test_register_by_reference_from_the_bucket(s3, bucket, world, api, onnx_byte
         ("s3://{bucket}/imports/alpha/", "under 'imports/alpha/'"),
         ("s3://{bucket}/imports/alpha/missing.onnx", "no readable object"),
         ("s3://{bucket}/imports/alpha/m\n.onnx", "control characters"),
+        ("s3://{bucket}/imports/alpha/m.onnx?versionId=1", "'?' or '#'"),
+        ("s3:///imports/alpha/m.onnx", "is not this platform's bucket"),
         ("http://example.com/m.onnx", "expected s3://"),
         ("models/m.onnx", "expected s3://"),
     ],

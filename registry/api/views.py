@@ -105,11 +105,11 @@ class VersionListView(APIView):
         # A reference that does not fit the version undoes it; without one, no transaction
         # holds the database's write lock while the artifact is checked (seconds for textgen).
         with transaction.atomic() if reference is not None else nullcontext():
-            by = {"created_by_id": request.caller.user_id, "actor": actor}
+            data["created_by_id"] = request.caller.user_id
             if uri is not None:
-                version = register_by_reference(model, uri, **by, **data)
+                version = register_by_reference(model, uri, actor=actor, **data)
             else:
-                version = services.create_version(model, artifact, **by, **data)
+                version = services.create_version(model, artifact, actor=actor, **data)
             if reference is not None:
                 try:
                     set_reference_upload(version, actor, **reference)
