@@ -13,6 +13,8 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from hypothesis import given
+from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
 from fleet.assignments import assignment_for
@@ -22,6 +24,7 @@ from serving_agent import ArtifactCache
 from serving_agent._cache import download_source
 from serving_agent._exceptions import AgentError, ChecksumMismatch
 from tests.factories import make_session
+from tests.fuzz.strategies import fuzz
 from tests.onnx_models import small_onnx
 from tests.s3_server import REGION, s3_server
 
@@ -315,3 +318,30 @@ def test_local_paths_are_refused_without_an_allow_list(api, import_dir, settings
     response = by_reference(api, str(import_dir / "m.onnx"))
     assert response.status_code == 400
     assert "SWITCHYARD_ARTIFACT_IMPORT_DIRS" in json.dumps(response.json())
+
+
+HOSTILE_URIS = st.sampled_from(
+    [
+        "s3://{bucket}/imports/alpha/",
+        "s3://{bucket}/imports/alpha/%2e%2e/beta/m.onnx",
+        "s3://{bucket}//imports/alpha/m.onnx",
+        "s3://{bucket}:443/imports/alpha/m.onnx",
+        "s3://u:p@{bucket}/imports/alpha/m.onnx",
+        "s3://{bucket}/imports/alpha/" + "a" * 1100,
+        "{allowed}/\u202e.onnx",
+        "{allowed}/m.onnx\x00",
+        "file://{allowed}/m.onnx",
+        "~/m.onnx",
+        "",
+    ]
+)
+
+
+@fuzz(40)
+@given(uri=HOSTILE_URIS | st.text(max_size=60) | st.text(max_size=40).map("{allowed}/".__add__))
+def test_hostile_references_never_get_a_server_error(s3, bucket, api, import_dir, uri):
+    uri = uri.replace("{bucket}", bucket).replace("{allowed}", str(import_dir))
+    response = by_reference(api, uri)
+    assert response.status_code < 500, response.content[:300]
+    if response.status_code >= 400:
+        assert response.json()["error"]
