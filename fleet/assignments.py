@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Literal, cast
 
+from django.conf import settings
 from django.db.models import Q, QuerySet
+from django.db.models.fields.files import FieldFile
 
 from registry.models import ModelVersion
 from registry.services import served_versions
@@ -94,13 +96,23 @@ def placed_versions(
     return placement.assigned.get(session_id, [])
 
 
+def download_url(file: FieldFile, platform_path: str) -> str:
+    """Where an agent fetches a stored file: with S3 storage a presigned GET straight from the
+    bucket (expiring after ``SWITCHYARD_S3_URL_EXPIRY_S``; the agent sends no credentials of its
+    own there and verifies the sha256), so artifacts never pass through the platform;
+    otherwise the platform's own download path (node token required)."""
+    if settings.SWITCHYARD_STORAGE == "s3":
+        return str(file.url)  # signed locally by boto3: no request to the bucket
+    return platform_path
+
+
 def version_spec(version: ModelVersion) -> VersionSpec:
     return VersionSpec(
         version_id=version.pk,
         model=version.model.name,
         version=version.version,
         sha256=version.sha256,
-        artifact_url=ARTIFACT_PATH.format(version_id=version.pk),
+        artifact_url=download_url(version.artifact, ARTIFACT_PATH.format(version_id=version.pk)),
         inputs=[TensorSpec(**t) for t in version.inputs],
         outputs=[TensorSpec(**t) for t in version.outputs],
         max_batch_size=version.max_batch_size,
@@ -120,7 +132,9 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         else None,
         memory_bytes=need_of(version, {}),
         allow_missing=version.allow_missing,
-        tokenizer_url=TOKENIZER_PATH.format(version_id=version.pk) if version.tokenizer else "",
+        tokenizer_url=download_url(version.tokenizer, TOKENIZER_PATH.format(version_id=version.pk))
+        if version.tokenizer
+        else "",
         tokenizer_sha256=version.tokenizer_sha256,
     )
 

@@ -345,7 +345,9 @@ if SWITCHYARD_STORAGE == "s3":
             # Private objects; agents get short presigned GET URLs straight to the bucket.
             "default_acl": None,
             "querystring_auth": True,
-            "querystring_expire": 300,
+            "querystring_expire": env_int("SWITCHYARD_S3_URL_EXPIRY_S", 3600),
+            # SigV4: what every region and MinIO accept (boto3 may otherwise presign with v2).
+            "signature_version": "s3v4",
             "file_overwrite": False,
         },
     }
@@ -355,6 +357,14 @@ STORAGES = {
     "default": _DEFAULT_STORAGE,
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
+# Registration by reference (registry.artifact_refs): a version's artifact read from where it
+# already lies instead of uploaded. s3:// keys must be in the configured bucket under this
+# prefix ("{tenant}" is the tenant's slug, so one tenant cannot register another's objects);
+# local paths must lie under one of these directories (comma-separated; empty: refused).
+SWITCHYARD_S3_IMPORT_PREFIX = env("SWITCHYARD_S3_IMPORT_PREFIX", "imports/{tenant}/")
+SWITCHYARD_ARTIFACT_IMPORT_DIRS = [
+    d.strip() for d in env("SWITCHYARD_ARTIFACT_IMPORT_DIRS", "").split(",") if d.strip()
+]
 # ----------------------------------------------------------------------------------------------
 # Uploads above this are spooled to disk by Django, then hashed, checked and moved into
 # storage from there (registry.services.create_version): never held in memory whole.

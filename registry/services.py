@@ -99,6 +99,7 @@ def create_version(
     format: str = ArtifactFormat.ONNX,
     actor: Actor = SYSTEM,
     tokenizer: bytes | File | None = None,
+    stored_name: str | None = None,
     **details: Any,
 ) -> ModelVersion:
     """Store a new immutable version: hash the artifact, read and check its signature.
@@ -113,6 +114,10 @@ def create_version(
     from disk in chunks, and moved into storage, never read into memory whole.
 
     A ``tokenizer`` (tokenizer.json) on an ONNX version makes it take text (``registry.text``).
+
+    ``stored_name``: the artifact already lies in storage under this name (registration by
+    reference, ``registry.artifact_refs``); ``artifact`` is then a local copy to check, and
+    nothing is written to storage.
     """
     upload = artifact if isinstance(artifact, File) else ContentFile(artifact)
     limit = settings.SWITCHYARD_MAX_ARTIFACT_BYTES
@@ -173,8 +178,12 @@ def create_version(
             **details,
         )
         check_personal_fields(version, version.personal_fields)
-        # A file spooled to disk is moved, not copied through memory (Django's storage).
-        version.artifact.save(f"{sha256}.{format}", upload, save=False)
+        if stored_name is not None:
+            version.artifact.name = stored_name
+        else:
+            # A file spooled to disk is moved, not copied through memory (Django's storage);
+            # S3 gets it in multipart chunks read from disk.
+            version.artifact.save(f"{sha256}.{format}", upload, save=False)
         if tokenizer_file is not None:
             version.tokenizer_sha256 = _sha256(tokenizer_file)
             version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
@@ -184,6 +193,7 @@ def create_version(
             "sha256": sha256,
             "format": format,
             "size": upload.size,
+            "artifact_uri": version.artifact_uri,
             "tokenizer_sha256": version.tokenizer_sha256,
             "parent": parent.version if parent is not None else None,
             **{
@@ -203,8 +213,20 @@ def _sha256(upload: File) -> str:
     return digest.hexdigest()
 
 
+class FileOnDisk(File):
+    """A file already on this machine's disk (an artifact registered by reference): checked
+    in place like a spooled upload, but copied into storage, never moved."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(open(path, "rb"), name=path)  # noqa: SIM115 - File owns and closes it
+        self.path_on_disk = path
+
+
 def _on_disk(upload: File) -> str | None:
-    """The path of an upload the server spooled to disk (Django's temporary upload file)."""
+    """The path of an upload the server spooled to disk (Django's temporary upload file), or
+    of a ``FileOnDisk``."""
+    if isinstance(upload, FileOnDisk):
+        return upload.path_on_disk
     path = getattr(upload, "temporary_file_path", None)
     return path() if path is not None else None
 

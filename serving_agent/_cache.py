@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -30,6 +31,29 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def download_source(
+    platform: str, url: str, headers: Mapping[str, str]
+) -> tuple[str, Mapping[str, str]]:
+    """The URL to fetch and the headers to send for an artifact URL from a version spec.
+
+    A path is the platform's own download endpoint: the node's headers go with it. An absolute
+    URL (a presigned URL straight to a bucket) gets them only when it is the platform's own
+    origin: the node token must never reach a bucket or any other host. Whatever is fetched is
+    verified against its sha256 all the same.
+    """
+    if url.startswith("/") and not url.startswith("//"):
+        return platform.rstrip("/") + url, headers
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise AgentError(f"artifact URL {url[:80]!r}: only http(s) URLs or platform paths")
+    return url, headers if _origin(url) == _origin(platform) else {}
 
 
 class ArtifactCache:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes, SchedCounts
+from ._cache import download_source
 from ._exceptions import ChecksumMismatch
 from ._generation_stats import GenerationStats
 from ._memory import (
@@ -291,11 +292,12 @@ class VersionSet:
         await self.send_status(version_id, "loading")
         tokenizer: Path | None = None
         try:
-            url = self.platform + spec.artifact_url
-            path = await self.cache.fetch(url, spec.sha256, self.headers)
+            # A presigned bucket URL gets no node headers (download_source).
+            url, headers = download_source(self.platform, spec.artifact_url, self.headers)
+            path = await self.cache.fetch(url, spec.sha256, headers)
             if spec.tokenizer_url:  # verified against its hash like the artifact
-                url = self.platform + spec.tokenizer_url
-                tokenizer = await self.cache.fetch(url, spec.tokenizer_sha256, self.headers)
+                url, headers = download_source(self.platform, spec.tokenizer_url, self.headers)
+                tokenizer = await self.cache.fetch(url, spec.tokenizer_sha256, headers)
         except ChecksumMismatch as exc:
             return await self._load_failed(version_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure

@@ -6,7 +6,8 @@ download agents make with their node token. Thin views over ``fleet.deployments`
 
 from __future__ import annotations
 
-from django.http import FileResponse
+from django.conf import settings
+from django.http import FileResponse, HttpResponseRedirect
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound
@@ -148,10 +149,16 @@ class ArtifactView(APIView):
     permission_classes = [AllowAny]
 
     @extend_schema(exclude=True)
-    def get(self, request: Request, version_id: int) -> Response | FileResponse:
+    def get(
+        self, request: Request, version_id: int
+    ) -> Response | FileResponse | HttpResponseRedirect:
         version = node_download(request, version_id, "artifact")
         if isinstance(version, Response):
             return version
+        if settings.SWITCHYARD_STORAGE == "s3":
+            # Never proxy a bucket's bytes: a fresh presigned URL (an agent's client drops its
+            # Authorization header on a redirect to another origin).
+            return HttpResponseRedirect(version.artifact.url)
         response = FileResponse(
             version.artifact.open("rb"), content_type="application/octet-stream"
         )
@@ -166,12 +173,16 @@ class TokenizerView(APIView):
     permission_classes = [AllowAny]
 
     @extend_schema(exclude=True)
-    def get(self, request: Request, version_id: int) -> Response | FileResponse:
+    def get(
+        self, request: Request, version_id: int
+    ) -> Response | FileResponse | HttpResponseRedirect:
         version = node_download(request, version_id, "tokenizer")
         if isinstance(version, Response):
             return version
         if not version.tokenizer:
             raise NotFound("this version has no tokenizer")
+        if settings.SWITCHYARD_STORAGE == "s3":
+            return HttpResponseRedirect(version.tokenizer.url)
         response = FileResponse(version.tokenizer.open("rb"), content_type="application/json")
         response["X-Artifact-Sha256"] = version.tokenizer_sha256
         return response

@@ -56,6 +56,7 @@ class VersionSerializer(serializers.ModelSerializer):
             "model",
             "version",
             "sha256",
+            "artifact_uri",
             "format",
             "inputs",
             "outputs",
@@ -162,7 +163,14 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     """A multipart upload: the artifact, its signature and lineage, and the serving settings.
     JSON-valued fields arrive as JSON strings."""
 
-    artifact = serializers.FileField()
+    artifact = serializers.FileField(required=False)
+    artifact_uri = serializers.CharField(
+        max_length=1024,
+        required=False,
+        help_text="register by reference instead of uploading: s3://<bucket>/<key> in the "
+        "platform's bucket under the tenant's import prefix, or a path under an allowed local "
+        "import directory (docs/storage.md)",
+    )
     tokenizer = serializers.FileField(
         required=False,
         help_text="a tokenizer.json (Hugging Face tokenizers) for an ONNX model taking "
@@ -183,7 +191,14 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     )
 
     class Meta(ServingSettingsSerializer.Meta):
-        fields = [*UPLOAD_FIELDS, *SERVING_FIELDS, "reference"]
+        fields = [*UPLOAD_FIELDS, "artifact_uri", *SERVING_FIELDS, "reference"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if ("artifact" in attrs) == ("artifact_uri" in attrs):
+            raise serializers.ValidationError(
+                {"artifact": "send exactly one of 'artifact' (a file) or 'artifact_uri'"}
+            )
+        return attrs
 
     def validate_offline_metrics(self, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):

@@ -17,6 +17,7 @@ from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
 from ..access import alias_for, model_for, models_of, version_for
+from ..artifact_refs import register_by_reference
 from ..reference import set_reference_upload
 from .serializers import (
     AliasChangeSerializer,
@@ -95,7 +96,8 @@ class VersionListView(APIView):
         upload = VersionUploadSerializer(data=request.data)
         upload.is_valid(raise_exception=True)
         data = dict(upload.validated_data)
-        artifact = data.pop("artifact")  # on disk past FILE_UPLOAD_MAX_MEMORY_SIZE: not read
+        artifact = data.pop("artifact", None)  # on disk past FILE_UPLOAD_MAX_MEMORY_SIZE
+        uri = data.pop("artifact_uri", None)
         if "parent" in data:
             data["parent"] = version_for(model, data["parent"])
         reference = data.pop("reference", None)
@@ -103,9 +105,11 @@ class VersionListView(APIView):
         # A reference that does not fit the version undoes it; without one, no transaction
         # holds the database's write lock while the artifact is checked (seconds for textgen).
         with transaction.atomic() if reference is not None else nullcontext():
-            version = services.create_version(
-                model, artifact, created_by_id=request.caller.user_id, actor=actor, **data
-            )
+            data["created_by_id"] = request.caller.user_id
+            if uri is not None:
+                version = register_by_reference(model, uri, actor=actor, **data)
+            else:
+                version = services.create_version(model, artifact, actor=actor, **data)
             if reference is not None:
                 try:
                     set_reference_upload(version, actor, **reference)

@@ -145,6 +145,17 @@ async def test_an_artifact_that_cannot_be_fetched_fails_the_version(
     await versions.shutdown()
 
 
+async def test_a_presigned_bucket_url_is_fetched_without_the_node_token(
+    cache: FakeCache, tiny_model: TinyModel, make_spec: Callable[..., VersionSpec]
+) -> None:
+    """With S3 storage the spec names the bucket itself: the node token must not go there."""
+    bucket = "https://models.s3.example.com/artifacts/1/a.onnx?X-Amz-Signature=abc"
+    versions, statuses = make_versions(cache)
+    versions.apply(assign(make_spec(artifact_url=bucket)))
+    await statuses.expect("ready", 1)
+    assert cache.fetched == [(bucket, tiny_model.sha256, {})]
+
+
 async def test_new_limits_apply_to_the_loaded_version_without_a_reload(
     cache: FakeCache, make_spec: Callable[..., VersionSpec]
 ) -> None:
