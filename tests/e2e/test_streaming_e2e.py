@@ -23,12 +23,6 @@ pytestmark = pytest.mark.e2e
 MODEL = "writer"
 # A context long enough that a stream can run for seconds: cancellation must cut it short.
 LONG = {"context": 1024, "n_layer": 2, "n_head": 2, "n_embd": 32}
-STATS = """
-import json
-from fleet.models import AgentSession
-session = AgentSession.objects.filter(disconnected_at__isnull=True).latest("pk")
-print(json.dumps(session.stats))
-"""
 
 
 def textgen_artifact(**config) -> bytes:
@@ -82,7 +76,7 @@ def text_of(frames: list[dict]) -> str:
 
 
 def agent_stats(backend) -> dict:
-    return json.loads(backend.shell(STATS))
+    return backend.agent_stats()
 
 
 def inter_token_observations(url: str) -> float:
