@@ -122,7 +122,10 @@ def test_wheel_metadata_is_light(wheel: Path) -> None:
     assert all(n.startswith(("serving_agent/", "switchyard_agent-")) for n in names)
 
 
-def test_wheel_runs_in_a_venv_with_only_the_light_dependencies(wheel: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def light_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv holding the agent's wheel and only its light dependencies."""
+    tmp_path = tmp_path_factory.mktemp("light")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -158,7 +161,20 @@ def test_wheel_runs_in_a_venv_with_only_the_light_dependencies(wheel: Path, tmp_
         check=True,
         timeout=120,
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return venv
+
+
+def light_env() -> dict[str, str]:
+    """This environment without what would let a child find the repository's packages."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def test_wheel_runs_in_a_venv_with_only_the_light_dependencies(
+    light_venv: Path, tmp_path: Path
+) -> None:
+    venv = light_venv
+    py = venv / "bin" / "python"
+    env = light_env()
     help_out = subprocess.run(
         [str(venv / "bin" / "switchyard-agent"), "--help"],
         capture_output=True,
@@ -222,3 +238,64 @@ def test_dockerfile_builds(dockerfile: str) -> None:
             timeout=300,
         )
         assert "--platform" in out.stdout
+
+
+@pytest.mark.e2e
+def test_the_light_install_serves_a_prediction(light_venv: Path, tmp_path: Path) -> None:
+    """What a GPU node does: the agent from its own wheel (no Django, no repository on its
+    path), started by its console script against a platform, serves a version."""
+    import httpx
+    import numpy as np
+    import onnxruntime as ort
+
+    from tests.e2e.harness import (
+        Proc,
+        create_node,
+        create_tenant,
+        embedded_backend,
+        free_port,
+        start_server,
+        wait_until,
+    )
+    from tests.onnx_models import small_onnx
+
+    backend = embedded_backend(tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(backend, "uvicorn", port)
+    node_dir = tmp_path / "node"  # the agent runs outside the repository
+    node_dir.mkdir()
+    agent = Proc(
+        "light-agent",
+        [
+            str(light_venv / "bin" / "switchyard-agent"),
+            *("--platform", url, "--token", create_node(backend, "gpu-node-1")),
+            *("--cache-dir", str(node_dir / "cache")),
+        ],
+        light_env(),
+        node_dir,
+        cwd=node_dir,
+    )
+    try:
+        key = create_tenant(backend, "alpha")
+        artifact = small_onnx()
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+            made = http.post("/api/v1/models", json={"name": "clf", "task": "classifier"})
+            assert made.status_code == 201, made.text
+            files = {"artifact": ("m.onnx", artifact, "application/octet-stream")}
+            assert http.post("/api/v1/models/clf/versions", files=files).status_code == 201
+            moved = http.put("/api/v1/models/clf/aliases/production", json={"version": 1})
+            assert moved.status_code == 200, moved.text
+            wait_until(lambda: http.get("/v2/models/clf/ready").status_code == 200, 60, agent)
+            rows = [[0.1, 0.2, 0.3, 0.4], [1.0, -1.0, 0.5, 2.0]]
+            body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": rows}]}
+            answer = http.post("/v2/models/clf/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        session = ort.InferenceSession(artifact)
+        expected = session.run(None, {session.get_inputs()[0].name: np.array(rows, np.float32)})
+        got = np.array(answer.json()["outputs"][0]["data"], dtype=np.float32)
+        np.testing.assert_allclose(got.reshape(expected[0].shape), expected[0], rtol=1e-5)
+    finally:
+        agent.stop()
+        server.stop()
+        backend.close()

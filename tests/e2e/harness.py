@@ -196,13 +196,15 @@ def free_port() -> int:
 class Proc:
     """A child process with its output in a log file, stopped politely then firmly."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], log_dir: Path, cwd: Path = ROOT
+    ):
         self.name = name
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
             args,
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
