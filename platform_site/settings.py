@@ -365,6 +365,14 @@ SWITCHYARD_S3_IMPORT_PREFIX = env("SWITCHYARD_S3_IMPORT_PREFIX", "imports/{tenan
 SWITCHYARD_ARTIFACT_IMPORT_DIRS = [
     d.strip() for d in env("SWITCHYARD_ARTIFACT_IMPORT_DIRS", "").split(",") if d.strip()
 ]
+# MLflow import (registry.mlflow_import): the tracking server versions come from, and the other
+# hosts ("host" or "host:port", comma-separated) a request may name in its tracking_uri. The
+# platform connects to the host a request names, so a tenant may not name just any (internal
+# services, a cloud's metadata endpoint).
+SWITCHYARD_MLFLOW_TRACKING_URI = env("SWITCHYARD_MLFLOW_TRACKING_URI", "")
+SWITCHYARD_MLFLOW_ALLOWED_HOSTS = [
+    h.strip().lower() for h in env("SWITCHYARD_MLFLOW_ALLOWED_HOSTS", "").split(",") if h.strip()
+]
 # ----------------------------------------------------------------------------------------------
 # Uploads above this are spooled to disk by Django, then hashed, checked and moved into
 # storage from there (registry.services.create_version): never held in memory whole.

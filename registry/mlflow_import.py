@@ -49,14 +49,37 @@ def parse_source(source: str) -> tuple[str, str | None, str | None]:
 
 
 def tracking_uri_for(requested: str | None) -> str:
-    uri = requested or getattr(settings, "SWITCHYARD_MLFLOW_TRACKING_URI", "")
+    """The tracking server to read from: the request's, when its host is the configured
+    server's or allow-listed (``SWITCHYARD_MLFLOW_ALLOWED_HOSTS``), else the configured one."""
+    configured = settings.SWITCHYARD_MLFLOW_TRACKING_URI
+    uri = requested or configured
     if not uri:
         raise Invalid("tracking_uri", "no tracking URI given and none configured")
     # Only a tracking server over HTTP: a file: or sqlite: URI would read the server's disk.
     parsed = urlparse(uri)
+    try:
+        port = parsed.port
+    except ValueError:
+        raise Invalid("tracking_uri", "the tracking URI's port is not a number") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise Invalid("tracking_uri", "the tracking URI must be an http(s) URL")
+    if requested and not _host_allowed(parsed.hostname, port, configured):
+        raise Invalid(
+            "tracking_uri",
+            f"the host {parsed.hostname!r} is not an allowed MLflow tracking server "
+            "(SWITCHYARD_MLFLOW_ALLOWED_HOSTS)",
+        )
     return uri
+
+
+def _host_allowed(host: str, port: int | None, configured: str) -> bool:
+    allowed = set(settings.SWITCHYARD_MLFLOW_ALLOWED_HOSTS)
+    if configured:
+        own = urlparse(configured)
+        if own.hostname:
+            allowed.add(own.netloc.rsplit("@", 1)[-1].lower())
+    names = {host.lower()} | ({f"{host.lower()}:{port}"} if port is not None else set())
+    return bool(names & allowed)
 
 
 def import_version(

@@ -94,6 +94,12 @@ def logged(mlflow_server):
     return {"uri": mlflow_server, "artifact": artifact, "run_id": run.info.run_id}
 
 
+@pytest.fixture(autouse=True)
+def loopback_allowed(settings):
+    """The test's tracking server listens on the loopback: allow that host for these tests."""
+    settings.SWITCHYARD_MLFLOW_ALLOWED_HOSTS = ["127.0.0.1"]
+
+
 def _import(key, uri, **body):
     return key_client(key).post(
         "/api/v1/models/clf/versions/import", {"tracking_uri": uri, **body}, format="json"
@@ -154,3 +160,24 @@ def test_another_tenant_gets_404(world, logged):
     make_model(world.a, "clf")
     response = _import(world.key_b, logged["uri"], source="models:/fraud/1")
     assert response.status_code == 404
+
+
+def test_only_the_configured_server_or_allowed_hosts_may_be_named(world, logged, settings):
+    make_model(world.a, "clf")
+    settings.SWITCHYARD_MLFLOW_ALLOWED_HOSTS = []
+    settings.SWITCHYARD_MLFLOW_TRACKING_URI = logged["uri"]
+    # Named by a request, any other host is refused before the platform connects to it.
+    for uri in ("http://169.254.169.254/latest", "http://localhost:5000", "http://10.0.0.1:9"):
+        refused = _import(world.key_a, uri, source="models:/fraud/1")
+        assert refused.status_code == 400, refused.json()
+        assert "is not an allowed MLflow tracking server" in str(refused.json())
+    bad_port = _import(world.key_a, "http://127.0.0.1:99999999", source="models:/fraud/1")
+    assert bad_port.status_code == 400 and "tracking_uri" in str(bad_port.json())
+    assert not ModelVersion.objects.exists()
+    # Without tracking_uri the configured server is used; naming it explicitly is allowed too.
+    response = key_client(world.key_a).post(
+        "/api/v1/models/clf/versions/import", {"source": "models:/fraud/1"}, format="json"
+    )
+    assert response.status_code == 201, response.json()
+    again = _import(world.key_a, logged["uri"], source="models:/fraud/1")
+    assert again.status_code == 409  # allowed, and the same MLflow version: already imported
