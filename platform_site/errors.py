@@ -30,6 +30,13 @@ class Unprocessable(Exception):
     reused for another request): the API answers 422."""
 
 
+class Unavailable(Exception):
+    """A service the change needs (the artifact store, say) cannot be reached or refused to
+    work: nothing is wrong with the request, so the API answers 503 with ``Retry-After``."""
+
+    retry_after_s = 5
+
+
 class NotFound(Http404):
     """A lookup through the caller's tenant found nothing: 404 in the API and the pages.
 
@@ -63,6 +70,11 @@ class _UnprocessableError(exceptions.APIException):
     default_code = "unprocessable"
 
 
+class _UnavailableError(exceptions.APIException):
+    status_code = 503
+    default_code = "unavailable"
+
+
 def _flatten(detail: Any, prefix: str = "") -> list[str]:
     if isinstance(detail, dict):
         out = []
@@ -89,6 +101,8 @@ def _as_drf(exc: Exception) -> Exception:
         return _ConflictError(str(exc))
     if isinstance(exc, Unprocessable):
         return _UnprocessableError(str(exc))
+    if isinstance(exc, Unavailable):
+        return _UnavailableError(str(exc))
     if isinstance(exc, Forbidden):
         return exceptions.PermissionDenied(str(exc))
     if isinstance(exc, Http404):
@@ -104,7 +118,10 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
     body: dict[str, Any] = {"error": "; ".join(_flatten(detail)) or "error"}
     if isinstance(detail, dict) and set(detail) - {"detail"}:
         body["fields"] = detail
-    return Response(body, status=response.status_code, headers=_keep_headers(response))
+    headers = _keep_headers(response)
+    if isinstance(exc, Unavailable):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return Response(body, status=response.status_code, headers=headers)
 
 
 def _keep_headers(response: Response) -> dict[str, str]:

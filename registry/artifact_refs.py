@@ -25,7 +25,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import TemporaryUploadedFile
 
-from platform_site.errors import Invalid, TooLarge
+from platform_site.errors import Invalid, TooLarge, Unavailable
 
 from . import services
 from .models import Model, ModelVersion
@@ -84,12 +84,14 @@ def _from_s3(model: Model, uri: str, bucket: str, key: str, **kwargs: Any) -> Mo
     if not key.startswith(prefix) or key == prefix or "//" in key:
         raise Invalid(FIELD, f"the key must be an object under {prefix!r} in {own_bucket!r}")
     client = storage.connection.meta.client
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         head = client.head_object(Bucket=bucket, Key=key)
     except ClientError:
         raise Invalid(FIELD, f"no readable object at {uri}") from None
+    except BotoCoreError as exc:  # the bucket's endpoint: unreachable, timed out
+        raise Unavailable(f"the bucket could not be reached: {exc}") from None
     _check_size(int(head["ContentLength"]))
     # One read of the object, to a temporary file the checks and the hash read from disk
     # (bounded memory); the object itself stays in the bucket, where agents fetch it.
@@ -106,6 +108,8 @@ def _from_s3(model: Model, uri: str, bucket: str, key: str, **kwargs: Any) -> Mo
         return services.create_version(model, copy, stored_name=key, artifact_uri=uri, **kwargs)
     except ClientError:  # replaced between the HEAD and the GET
         raise Invalid(FIELD, f"the object at {uri} changed while it was read") from None
+    except BotoCoreError as exc:
+        raise Unavailable(f"the bucket could not be reached: {exc}") from None
     finally:
         copy.close()
 

@@ -18,7 +18,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
-from platform_site.errors import NotFound, TooLarge
+from platform_site.errors import NotFound, TooLarge, Unavailable
 from serving_agent.pickles import pickle_kind
 from serving_agent.torch_archive import ArchiveError, read_archive
 from tenants.audit import SYSTEM, Actor, audit
@@ -86,6 +86,16 @@ PERSONAL_RULES = ("redact", "hash")
 # architecture; streams speak the generation protocol, not tensors).
 TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
 TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a storage backend raises when it cannot take or give a file: the disk's OSError,
+    and botocore's errors with S3 (an unreachable endpoint, a missing bucket, a denied write)."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # the embedded install may have no S3 libraries
+        return (OSError,)
+    return (OSError, BotoCoreError, ClientError)
 
 
 def create_version(
@@ -178,15 +188,18 @@ def create_version(
             **details,
         )
         check_personal_fields(version, version.personal_fields)
-        if stored_name is not None:
-            version.artifact.name = stored_name
-        else:
-            # A file spooled to disk is moved, not copied through memory (Django's storage);
-            # S3 gets it in multipart chunks read from disk.
-            version.artifact.save(f"{sha256}.{format}", upload, save=False)
-        if tokenizer_file is not None:
-            version.tokenizer_sha256 = _sha256(tokenizer_file)
-            version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
+        try:
+            if stored_name is not None:
+                version.artifact.name = stored_name
+            else:
+                # A file spooled to disk is moved, not copied through memory (Django's
+                # storage); S3 gets it in multipart chunks read from disk.
+                version.artifact.save(f"{sha256}.{format}", upload, save=False)
+            if tokenizer_file is not None:
+                version.tokenizer_sha256 = _sha256(tokenizer_file)
+                version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
+        except store_errors() as exc:
+            raise Unavailable(f"the artifact store did not take the file: {exc}") from None
         version.full_clean(exclude=["artifact"])
         version.save()
         after = {

@@ -345,3 +345,31 @@ def test_hostile_references_never_get_a_server_error(s3, bucket, api, import_dir
     assert response.status_code < 500, response.content[:300]
     if response.status_code >= 400:
         assert response.json()["error"]
+
+
+def test_an_unreachable_bucket_is_a_503_with_retry_after_not_a_500(world, api, settings):
+    """Nothing is wrong with the request when the store is down: 503 + Retry-After, no row."""
+    import socket
+
+    from botocore.config import Config
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    storages = s3_storages(f"http://127.0.0.1:{port}", "gone")
+    storages["default"]["OPTIONS"]["client_config"] = Config(
+        signature_version="s3v4", retries={"max_attempts": 1, "mode": "standard"}
+    )
+    settings.SWITCHYARD_STORAGE = "s3"
+    settings.STORAGES = storages
+    for response in (
+        upload(api, small_onnx()),
+        by_reference(api, "s3://gone/imports/alpha/m.onnx"),
+    ):
+        assert response.status_code == 503, response.content
+        assert response["Retry-After"] == "5"
+        assert (
+            "could not be reached" in response.json()["error"]
+            or "did not take" in (response.json()["error"])
+        )
+    assert not ModelVersion.objects.exists()
