@@ -5,16 +5,23 @@ backend is only installed when the SSO settings are complete (see docs/sso.md)."
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+import jwt
+import requests
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core.exceptions import SuspiciousOperation
 from django.db import transaction
 from django.db.models import QuerySet
+from django.http import HttpRequest
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 
 from .audit import SYSTEM, audit
 from .models import Membership, Role, Tenant
+
+logger = logging.getLogger(__name__)
 
 
 def role_map() -> dict[str, tuple[str, str]]:
@@ -82,6 +89,38 @@ def sync_memberships(user: User, groups: list[str]) -> None:
 class SwitchyardOIDCBackend(OIDCAuthenticationBackend):
     """Users are matched by the ``sub`` claim (kept as the username ``oidc:<sub>``), so a changed
     email at the provider does not make a new account."""
+
+    def authenticate(self, request: HttpRequest | None, **kwargs: Any) -> User | None:
+        """A provider that refuses the code exchange (a replayed or foreign code) or cannot be
+        reached, or an ID token that fails a check, is a failed sign-in: the callback sends the
+        person to the sign-in page again, instead of answering 400 or 500."""
+        try:
+            user: User | None = super().authenticate(request, **kwargs)
+        except (requests.RequestException, SuspiciousOperation) as exc:
+            logger.warning("single sign-on refused: %s", exc)
+            return None
+        return user
+
+    def verify_token(self, token: str, **kwargs: Any) -> dict[str, Any]:
+        """The library checks the ID token's signature, expiry and nonce, but not its audience
+        or issuer: a token the provider issued to another of its clients, or one from another
+        provider whose keys the JWKS serves, would sign a person in. Both are checked here
+        (OpenID Connect Core 3.1.3.7); a refusal is a failed sign-in, never a session."""
+        try:
+            payload: dict[str, Any] = super().verify_token(token, **kwargs)
+        except jwt.InvalidTokenError as exc:  # expired, not yet valid, malformed claims
+            raise SuspiciousOperation(f"ID token: {exc}") from None
+        audience = payload.get("aud")
+        audiences = audience if isinstance(audience, list) else [audience]
+        client_id = self.OIDC_RP_CLIENT_ID
+        if client_id not in audiences:
+            raise SuspiciousOperation("ID token: its audience is not this client")
+        if len(audiences) > 1 and payload.get("azp") != client_id:
+            raise SuspiciousOperation("ID token: several audiences and azp is not this client")
+        issuer = getattr(settings, "SWITCHYARD_OIDC_ISSUER", "")
+        if issuer and str(payload.get("iss", "")).rstrip("/") != issuer.rstrip("/"):
+            raise SuspiciousOperation("ID token: its issuer is not the configured provider")
+        return payload
 
     def filter_users_by_claims(self, claims: dict[str, Any]) -> QuerySet[User]:
         sub = claims.get("sub")

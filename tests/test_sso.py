@@ -2,6 +2,7 @@
 every sign-in, each change audited."""
 
 import json
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -81,7 +82,7 @@ def provider():
         yield f"http://localhost:{server.server_port}"
 
 
-def sso_settings(base: str) -> override_settings:
+def sso_settings(base: str, **changes: Any) -> override_settings:
     return override_settings(
         ROOT_URLCONF="tests.test_sso",
         SSO_ENABLED=True,
@@ -93,11 +94,19 @@ def sso_settings(base: str) -> override_settings:
         OIDC_OP_USER_ENDPOINT=f"{base}/userinfo",
         OIDC_OP_JWKS_ENDPOINT=f"{base}/jwks",
         OIDC_VERIFY_KID=False,  # the mock signs with one key and names no kid
+        SWITCHYARD_OIDC_ISSUER=base,
         SWITCHYARD_OIDC_ROLE_MAP=ROLE_MAP,
+        **changes,
     )
 
 
-def sign_in(base: str, sub: str, groups: list[str], tamper_nonce: bool = False) -> Client:
+def sign_in(
+    base: str,
+    sub: str,
+    groups: list[str],
+    tamper_nonce: bool = False,
+    at_callback: override_settings | None = None,
+) -> Client:
     httpx.put(f"{base}/users/{sub}", json={"email": f"{sub}@example.com", "groups": groups})
     browser = Client()
     start = browser.get("/oidc/authenticate/")
@@ -110,7 +119,11 @@ def sign_in(base: str, sub: str, groups: list[str], tamper_nonce: bool = False) 
         for state in session["oidc_states"].values():
             state["nonce"] = "not-the-one-sent"
         session.save()
-    browser.get(callback)
+    if at_callback is None:
+        browser.get(callback)
+    else:
+        with at_callback:  # what the platform believes when the ID token comes back
+            browser.get(callback)
     return browser
 
 
@@ -138,3 +151,81 @@ def test_real_flow_refuses_a_bad_nonce(provider):
         browser = sign_in(provider, "eve", ["ml-approvers"], tamper_nonce=True)
         assert "_auth_user_id" not in browser.session
         assert not User.objects.filter(username="oidc:eve").exists()
+
+
+@pytest.fixture(scope="module")
+def other_provider():
+    """A second provider: its own signing key, its own issuer."""
+    with run_server_in_thread(require_nonce=True) as server:
+        yield f"http://localhost:{server.server_port}"
+
+
+def test_a_token_signed_by_another_key_is_refused(provider, other_provider):
+    with sso_settings(provider):
+        wrong_keys = override_settings(OIDC_OP_JWKS_ENDPOINT=f"{other_provider}/jwks")
+        browser = sign_in(provider, "mallory", ["ml-approvers"], at_callback=wrong_keys)
+        assert "_auth_user_id" not in browser.session
+        assert not User.objects.filter(username="oidc:mallory").exists()
+
+
+def test_a_code_the_provider_refuses_or_a_foreign_issuer_is_a_failed_sign_in(provider):
+    with sso_settings(provider):
+        # The code was issued to "switchyard": exchanged as another client, the provider refuses
+        # it; that is a failed sign-in (back to the sign-in page), not a 500.
+        other_client = override_settings(OIDC_RP_CLIENT_ID="billing-app")
+        browser = sign_in(provider, "trent", ["ml-approvers"], at_callback=other_client)
+        assert "_auth_user_id" not in browser.session
+        elsewhere = override_settings(SWITCHYARD_OIDC_ISSUER="https://sso.example.com")
+        browser = sign_in(provider, "trent", ["ml-approvers"], at_callback=elsewhere)
+        assert "_auth_user_id" not in browser.session
+        assert not User.objects.filter(username="oidc:trent").exists()
+        # The same sign-in with the right client and issuer succeeds.
+        browser = sign_in(provider, "trent", ["ml-approvers"])
+        assert User.objects.filter(username="oidc:trent").exists()
+        assert "_auth_user_id" in browser.session
+
+
+def _signed(key: Any, **claims: Any) -> str:
+    import jwt
+
+    base = {"iss": "https://idp.example.com", "sub": "u1", "nonce": "n", "exp": 4102444800}
+    return jwt.encode({**base, **claims}, key, algorithm="RS256")
+
+
+@pytest.mark.parametrize(
+    ("claims", "accepted"),
+    [
+        ({"aud": "switchyard"}, True),
+        ({"aud": ["switchyard", "other"], "azp": "switchyard"}, True),
+        ({"aud": "other-client"}, False),
+        ({"aud": ["switchyard", "other"]}, False),  # several audiences, no azp naming us
+        ({"aud": ["switchyard", "other"], "azp": "other"}, False),
+        ({"aud": "switchyard", "iss": "https://evil.example.com"}, False),
+        ({"aud": "switchyard", "exp": 946684800}, False),  # expired (2000)
+        ({"aud": "switchyard", "nonce": "replayed"}, False),
+    ],
+)
+def test_id_token_audience_issuer_expiry_and_nonce_are_checked(claims, accepted):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from django.core.exceptions import SuspiciousOperation
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    with override_settings(
+        OIDC_RP_CLIENT_ID="switchyard",
+        OIDC_RP_CLIENT_SECRET="secret",
+        OIDC_OP_TOKEN_ENDPOINT="https://idp.example.com/token",
+        OIDC_OP_USER_ENDPOINT="https://idp.example.com/userinfo",
+        OIDC_RP_IDP_SIGN_KEY=public,
+        SWITCHYARD_OIDC_ISSUER="https://idp.example.com/",
+    ):
+        backend = SwitchyardOIDCBackend()
+        token = _signed(key, **claims)
+        if accepted:
+            assert backend.verify_token(token, nonce="n")["sub"] == "u1"
+        else:
+            with pytest.raises(SuspiciousOperation):
+                backend.verify_token(token, nonce="n")
