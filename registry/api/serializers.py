@@ -65,6 +65,7 @@ class VersionSerializer(serializers.ModelSerializer):
             "source_commit",
             "training_data_hash",
             "parent",
+            "lineage",
             "tokenizer_sha256",
             "offline_metrics",
             "personal_fields",

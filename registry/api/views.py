@@ -18,6 +18,7 @@ from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 from .. import services
 from ..access import alias_for, model_for, models_of, version_for
 from ..artifact_refs import register_by_reference
+from ..quantize import quantize_version
 from ..reference import set_reference_upload
 from .serializers import (
     AliasChangeSerializer,
@@ -116,6 +117,20 @@ class VersionListView(APIView):
                 except DjangoValidationError as exc:
                     raise ValidationError({"reference": exc.messages}) from None
         return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+
+class QuantizeView(APIView):
+    """An INT8 variant of an ONNX version, as the model's next version (``registry.quantize``):
+    measured against the original on a sample before it is kept, canaried like any other."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema(request=None, responses={201: VersionSerializer})
+    def post(self, request: CallerRequest, name: str, version: int) -> Response:
+        found = version_for(model_for(request.caller.tenant_id, name), version)
+        made = quantize_version(found, actor_of(request), request.caller.user_id)
+        return Response(VersionSerializer(made).data, status=status.HTTP_201_CREATED)
 
 
 class VersionDetailView(APIView):

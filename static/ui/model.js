@@ -61,6 +61,22 @@ document.addEventListener("DOMContentLoaded", () => {
       uploadVersion(upload);
     });
   }
+  // "Make INT8 variant": the server quantises and measures, then the new row is shown.
+  for (const button of document.querySelectorAll("button[data-quantize]")) {
+    button.addEventListener("click", async () => {
+      const msg = button.parentElement.querySelector("[data-msg]");
+      button.disabled = true;
+      Sy.message(msg, "info", "Quantising and measuring…");
+      const url = `/api/v1/models/${encodeURIComponent(button.dataset.model)}/versions/${button.dataset.quantize}/quantize`;
+      const result = await Sy.api("POST", url);
+      button.disabled = false;
+      if (result.status === 201) {
+        location.href = `${location.pathname}?uploaded=${result.data.version}`;
+      } else {
+        Sy.message(msg, "error", Sy.errorText(result));
+      }
+    });
+  }
   const form = document.getElementById("canary-form");
   if (!form) return;
   form.addEventListener("submit", async (event) => {
