@@ -46,6 +46,19 @@ def agent_counters(backend: Backend) -> dict[str, int]:
     return {name: int(stats.get(name, 0)) for name in names}
 
 
+def settled_counters(backend: Backend, timeout: float = 30.0) -> dict[str, int]:
+    """The agent's counters once its queue has drained: the same over two heartbeats. (A read
+    right after a flood would count rows still running from it as the next phase's.)"""
+    deadline = time.monotonic() + timeout
+    last = agent_counters(backend)
+    while True:
+        time.sleep(1.2)
+        now = agent_counters(backend)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 async def flood_and_calm(
     url: str,
     flood_key: str,
@@ -171,7 +184,7 @@ def test_critical_beats_batch_and_short_deadlines_drop_stale_work(backend_name, 
         assert p(critical, 50) < p(batch, 50) / 2, (p(critical, 50), p(batch, 50))
 
         # Deadlines: the flood gives each request 40 ms; most wait longer in the queue.
-        before = agent_counters(backend)
+        before = settled_counters(backend)  # the first flood's backlog is done
         stale, calm = asyncio.run(
             flood_and_calm(
                 url,
