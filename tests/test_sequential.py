@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from django.utils import timezone
 
-from monitoring.models import Alert, AlertKind, TrafficSample
+from monitoring.models import Alert, AlertKind
 from monitoring.traffic import Counts, fine_index, fine_lower_ms, percentile_ms
 from rollouts.actions import Actor, start_plan
 from rollouts.guardrails import evaluate, judge
@@ -21,7 +21,7 @@ from rollouts.stats import excess_p_values, proportion_lower, quantile_bounds
 from tenants.models import AuditEvent
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
-from tests.test_guardrails import stats
+from tests.test_guardrails import sample, stats
 
 RAILS = {"max_error_rate_increase": 0.01, "max_p99_ratio": 2.0, "min_samples": 100}
 ALPHA = 0.01
@@ -172,20 +172,6 @@ def plan(world, onnx_bytes):
     rails = RAILS | {"min_samples": 1000}
     return start_plan(
         model, "canary", candidate, rails, Actor(None, "test"), weight=5, bake_seconds=60
-    )
-
-
-def sample(version_id: int, requests: int, errors: int = 0) -> None:
-    counts = Counts()
-    for i in range(requests):
-        counts.add(0.004, ok=i >= errors)
-    TrafficSample.objects.create(
-        version_id=version_id,
-        window_end=timezone.now(),
-        requests=requests,
-        errors=errors,
-        latency_buckets=counts.buckets,
-        latency_fine=counts.fine,
     )
 
 
