@@ -151,6 +151,7 @@ class AlertKind(models.TextChoices):
     SLO_BURN = "slo_burn", "SLO burn"
     ROLLBACK = "rollback", "Rollback"
     STALLED = "stalled", "Rollout stalled"
+    BUDGET = "budget", "Budget"
 
 
 class Alert(models.Model):
@@ -199,3 +200,99 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"[{self.severity}] {self.title}"
+
+
+class Resource(models.TextChoices):
+    """What usage is counted in, and priced by."""
+
+    REQUEST = "request", "Requests"
+    ROW = "row", "Rows"
+    TOKEN_IN = "token_in", "Tokens in"
+    TOKEN_OUT = "token_out", "Tokens out"
+    CPU_SECOND = "cpu_second", "CPU-seconds"
+    ACCEL_SECOND = "accel_second", "Accelerator-seconds"
+
+
+class UsageDay(models.Model):
+    """What one version served in one UTC day: rolled up by a beat task from the traffic
+    samples and the agents' heartbeats (``monitoring.usage``), priced when rolled up."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="+")
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="usage_days"
+    )
+    day = models.DateField(db_index=True)
+    requests = models.PositiveBigIntegerField(default=0)
+    rows = models.PositiveBigIntegerField(default=0)
+    tokens_in = models.PositiveBigIntegerField(default=0)
+    tokens_out = models.PositiveBigIntegerField(default=0)
+    cpu_s = models.FloatField(default=0.0)
+    accel_s = models.FloatField(default=0.0)
+    cost = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-day", "version_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["version", "day"], name="one_usage_row_per_version_day")
+        ]
+
+    def __str__(self) -> str:
+        return f"usage v{self.version_id} {self.day}: {self.requests} requests"
+
+
+class Price(models.Model):
+    """The price of one unit of a resource: a tenant's own (set by its approvers), or the
+    platform's default (``tenant`` empty, set by operators)."""
+
+    tenant = models.ForeignKey(
+        "tenants.Tenant", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    resource = models.CharField(max_length=20, choices=Resource.choices)
+    unit_price = models.DecimalField(max_digits=18, decimal_places=9)
+    currency = models.CharField(max_length=3, default="USD")
+    set_by = models.ForeignKey(
+        "auth.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    set_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "resource"], name="one_price_per_tenant_resource"
+            ),
+            models.UniqueConstraint(
+                fields=["resource"],
+                condition=Q(tenant__isnull=True),
+                name="one_default_price_per_resource",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id or 'default'} {self.resource}: {self.unit_price}"
+
+
+class Budget(models.Model):
+    """A tenant's monthly budget: alerts at its thresholds (percent of ``monthly_limit``) and,
+    with ``hard_stop``, new work refused once spent, until an approver's override ends."""
+
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    monthly_limit = models.DecimalField(max_digits=18, decimal_places=2)
+    currency = models.CharField(max_length=3, default="USD")
+    thresholds = models.JSONField(default=list)  # percents, e.g. [50, 80, 100]
+    hard_stop = models.BooleanField(default=False)
+    # The month the figures below are for (its first day), what was spent in it at the last
+    # roll-up, the thresholds already alerted in it, and whether new work is refused.
+    month = models.DateField(null=True, blank=True)
+    spent = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    alerted = models.JSONField(default=list)
+    stopped = models.BooleanField(default=False)
+    override_until = models.DateTimeField(null=True, blank=True)
+    override_by = models.ForeignKey(
+        "auth.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"budget {self.tenant_id}: {self.spent}/{self.monthly_limit} {self.currency}"

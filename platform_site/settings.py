@@ -109,6 +109,7 @@ INSTALLED_APPS = [
     "rollouts",
     "fleet",
     "gateway",
+    "batch",
     "web",
     "platform_site",
 ]

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class BatchConfig(AppConfig):
+    name = "batch"
+    verbose_name = "Batch jobs"

@@ -1,0 +1,1 @@
+"""Batch inference jobs: an input file run through a model's agents at batch priority."""
