@@ -205,6 +205,17 @@ class VersionLoad(BaseModel):
     requests_total: int = 0
     idle_s: float | None = None  # since its last request (None: never used)
     load_s: float = 0.0  # download to ready, warm-up included
+    # Since the version loaded on this agent (usage, chargeback and right-sizing take deltas
+    # between heartbeats): the CPU time its model runs took (thread CPU time, every thread of
+    # the runtime), the wall time of runs on an accelerator, the model runs and the rows they
+    # took (batch occupancy), the wall time of all runs, and the time requests spent queued
+    # before their run, summed over requests.
+    cpu_s_total: float = 0.0
+    accel_s_total: float = 0.0
+    runs_total: int = 0
+    run_rows_total: int = 0
+    run_s_total: float = 0.0
+    queue_wait_s_total: float = 0.0
 
 
 class GpuUse(BaseModel):
