@@ -7,7 +7,6 @@ import threading
 
 import pytest
 from django.db import connection, connections
-from rest_framework.test import APIClient
 
 from monitoring.models import TrafficSample
 from monitoring.traffic import Counts
@@ -16,27 +15,20 @@ from rollouts.approvals import promote_when_approved
 from rollouts.models import ApprovalRequest, RolloutPlan
 from tenants.audit import user_actor
 from tenants.models import AuditEvent, Role
-from tests.factories import make_key, make_member, make_model, make_tenant, make_version
+from tests.factories import (
+    as_user,
+    key_client,
+    make_key,
+    make_member,
+    make_model,
+    make_tenant,
+    make_version,
+)
 from tests.onnx_models import small_onnx
 
 pytestmark = pytest.mark.backends
 
 GUARDRAILS = {"max_error_rate_increase": 0.02, "max_p99_ratio": 1.5, "min_samples": 200}
-
-
-def as_user(user, tenant_slug: str = "alpha") -> APIClient:
-    client = APIClient()
-    client.default_format = "json"
-    client.force_login(user)
-    client.credentials(HTTP_X_TENANT=tenant_slug)
-    return client
-
-
-def key_client(key: str) -> APIClient:
-    client = APIClient()
-    client.default_format = "json"
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
-    return client
 
 
 @pytest.fixture

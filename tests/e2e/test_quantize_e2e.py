@@ -15,13 +15,12 @@ import pytest
 
 from tests.onnx_models import slow_onnx
 
-from .conftest import platform_with_agent, upload_and_promote
+from .conftest import GUARDRAILS, platform_with_agent, upload_and_promote
 from .harness import allow_weight, create_tenant, wait_until
 
 pytestmark = pytest.mark.e2e
 
 ROWS = 8
-GUARDRAILS = {"max_error_rate_increase": 0.05, "max_p99_ratio": 3, "min_samples": 20}
 
 
 def _int8(artifact: bytes) -> bytes:
