@@ -25,8 +25,8 @@ if $PY scripts/services_up.py; then
   echo "== end-to-end tests: real processes on the embedded default and on PostgreSQL + Redis"
   # Two workers, a module's tests on one (its platform is started once per module); then the
   # timing-sensitive ones (marked serial) alone.
-  pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "$@"
-  pytest -m "e2e and serial" "$@"
+  pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "$@"
+  pytest -m "e2e and serial" --durations=12 "$@"
   echo "== where the backend matters, again on the embedded default (SQLite, in-process layers)"
   embedded pytest -m "backends and not e2e" -n "$WORKERS" "$@"
 else
