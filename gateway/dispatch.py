@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from serving_agent.protocol import (
+    BATCH,
     INTERACTIVE,
     CancelGenerate,
     FrameError,
@@ -185,6 +186,10 @@ class AgentLink:
     ready: set[int] = field(default_factory=set)
     session: int | None = None
     node_id: int = 0
+    # The agent runs in a spot (preemptible) pool: batch-class requests prefer it, every other
+    # request avoids it while a non-spot link serves the version. Set when the agent says hello
+    # or attaches, from its deployment's pool, so dispatch reads no database.
+    spot: bool = False
     # A data link whose agent's main connection is moving (its session closed, or a new one
     # not yet ready) keeps serving what it served until the new session reports a ready
     # version or ``carried_until`` (time.monotonic) passes; see GatewayState._follow_sessions.
@@ -268,12 +273,17 @@ class AgentPool:
 
     def remove(self, link: AgentLink, reason: str, *, restarting: bool = False) -> None:
         """Forget a link and fail its outstanding requests at once: 502 when the agent went
-        away, 503 with a retry hint when this server is shutting down (the agent is fine and
-        a retry reaches it through another process)."""
+        away (with a retry hint when it was a spot replica, pre-empted), 503 with a retry hint
+        when this server is shutting down (the agent is fine and a retry reaches it through
+        another process)."""
         if link in self._links:
             self._links.remove(link)
             self._reindex()
         status, retry_after = (503, 1) if restarting else (502, None)
+        if link.spot and not restarting:
+            # A spot replica is taken away by design (pre-emption): say the request may be
+            # sent again, and the retry lands on the version's other replicas.
+            retry_after = 1
         link.ended_with = DispatchError(status, reason, retry_after)
         link.ended.set()
         for fut in link.pending.values():
@@ -302,9 +312,13 @@ class AgentPool:
     def local_channel_names(self) -> set[str]:
         return {link.name for link in self._links}
 
-    def _pick(self, links: list[AgentLink], load: Callable[[AgentLink], int]) -> AgentLink:
-        """The link with the least ``load``; ties taken in turn, so that agents share even
-        traffic that never queues."""
+    def _pick(
+        self, links: list[AgentLink], load: Callable[[AgentLink], int], priority: int = INTERACTIVE
+    ) -> AgentLink:
+        """The link with the least ``load`` among those of the request's kind of capacity
+        (``prefer_spot``); ties taken in turn, so that agents share even traffic that never
+        queues."""
+        links = prefer_spot(links, priority)
         if len(links) == 1:
             return links[0]
         self._turn += 1
@@ -347,7 +361,7 @@ class AgentPool:
         )
         tried: list[AgentLink] = []
         while True:
-            link = self._local_link(version_id, tried)
+            link = self._local_link(version_id, tried, priority)
             if link is None:
                 break
             try:
@@ -394,8 +408,11 @@ class AgentPool:
             raise DispatchError(503, "every serving agent of this version is failing", wait)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
 
-    def _local_link(self, version_id: int, exclude: list[AgentLink]) -> AgentLink | None:
-        """The least loaded link here serving the version whose breaker lets it take work."""
+    def _local_link(
+        self, version_id: int, exclude: list[AgentLink], priority: int = INTERACTIVE
+    ) -> AgentLink | None:
+        """The least loaded link here serving the version whose breaker lets it take work,
+        on spot capacity for a batch request and off it for any other when there is a choice."""
         now = time.monotonic()
         links = [
             link
@@ -404,7 +421,7 @@ class AgentPool:
         ]
         if not links:
             return None
-        return self._pick(links, lambda candidate: len(candidate.pending))
+        return self._pick(links, lambda candidate: len(candidate.pending), priority)
 
     async def _infer_on(
         self, link: AgentLink, request: InferRequest, arrays: list[np.ndarray], timeout: float
@@ -442,7 +459,7 @@ class AgentPool:
         links = self._by_version.get(request.version_id)
         link: AgentLink | None = None
         if links:
-            link = self._pick(links, lambda c: len(c.pending) + len(c.streams))
+            link = self._pick(links, lambda c: len(c.pending) + len(c.streams), request.priority)
             stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
             self.dispatched["local"] += 1
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
@@ -564,6 +581,17 @@ class AgentPool:
             streams.pop(header.id, None)
             stream.fail(SlowClient(429, "the client read its stream too slowly"))
             in_background(stream.cancel())
+
+
+def prefer_spot(links: list[AgentLink], priority: int) -> list[AgentLink]:
+    """The links a request should choose among: batch-class work goes to spot capacity and
+    everything else stays off it, each falling back to the other kind when none of its own
+    serves the version. A list filter, no database: ``AgentLink.spot`` came with the link."""
+    want = priority == BATCH
+    if all(link.spot == want for link in links):
+        return links
+    own = [link for link in links if link.spot == want]
+    return own or links
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

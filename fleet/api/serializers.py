@@ -142,7 +142,7 @@ class DecisionFilter(serializers.Serializer):
 class PoolSerializer(serializers.ModelSerializer):
     class Meta:
         model = Pool
-        fields = ["name", "backend", "namespace", "description"]
+        fields = ["name", "backend", "namespace", "spot", "description"]
         read_only_fields = fields
 
 
