@@ -139,6 +139,12 @@ class DecisionFilter(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
 
 
+class RightsizingFilter(serializers.Serializer):
+    minutes = serializers.IntegerField(
+        min_value=1, max_value=24 * 60, default=15, help_text="the traffic window"
+    )
+
+
 class PoolSerializer(serializers.ModelSerializer):
     class Meta:
         model = Pool
