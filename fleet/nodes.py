@@ -169,7 +169,10 @@ def live_agents() -> list[LiveAgent]:
     """The agent connections alive in any gateway process (their main connections)."""
     rows = live_sessions().filter(node__enabled=True)
     fields = ("pk", "node_id", "channel_name", "ready_versions", "deployment__pool__spot")
-    return [LiveAgent(*row[:4], spot=bool(row[4])) for row in rows.values_list(*fields)]
+    return [
+        LiveAgent(pk, node_id, channel, ready, bool(spot))
+        for pk, node_id, channel, ready, spot in rows.values_list(*fields)
+    ]
 
 
 def session_spot(session_id: int) -> bool:

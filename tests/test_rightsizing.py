@@ -23,10 +23,10 @@ from fleet.rightsizing import (
     gather,
     recommend,
 )
-from monitoring.models import TrafficSample, UsageDay
-from monitoring.traffic import Counts
+from monitoring.models import UsageDay
 from tests.factories import as_user, key_client, make_model, make_session, make_version
 from tests.onnx_models import small_onnx
+from tests.test_guardrails import sample
 
 GIB = 1 << 30
 CPU = "CPUExecutionProvider"
@@ -319,20 +319,6 @@ def heartbeat(session: AgentSession, version_id: int, **load) -> None:
     )
 
 
-def traffic(version_id: int, requests: int, seconds: float = 0.004) -> None:
-    counts = Counts()
-    for _ in range(requests):
-        counts.add(seconds, ok=True)
-    TrafficSample.objects.create(
-        version_id=version_id,
-        window_end=timezone.now(),
-        requests=requests,
-        errors=0,
-        latency_buckets=counts.buckets,
-        latency_fine=counts.fine,
-    )
-
-
 @pytest.fixture
 def served(world, onnx_bytes):
     """clf v1 of tenant A served by a node run by hand, 9,000 requests in the window."""
@@ -352,7 +338,7 @@ def served(world, onnx_bytes):
         cpu_s_total=45.0,
         load_s=0.0,
     )
-    traffic(world.v1.pk, 9_000)
+    sample(world.v1.pk, 9_000)  # 4 ms each
     return world
 
 
