@@ -26,6 +26,7 @@ from serving_agent.protocol import (
     CRITICAL,
     INTERACTIVE,
     SHADOW,
+    Attach,
     Hello,
     InferRequest,
     decode_frame,
@@ -180,6 +181,36 @@ def test_a_replica_on_a_spot_pool_says_hello_and_its_link_is_spot(onnx_bytes, mo
 
     assert async_to_sync(run)() == (True, False)
     assert AgentSession.objects.get().deployment_id == deployment.pk
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_data_link_carries_its_sessions_flag_and_follows_it(onnx_bytes, monkeypatch):
+    state = GatewayState()
+    monkeypatch.setattr(consumers, "get_state", lambda: state)
+    tenant = make_tenant("alpha")
+    version = make_version(make_model(tenant), onnx_bytes)
+    pool = Pool.objects.create(name="spot", backend="local", spot=True)
+    deployment = Deployment.objects.create(tenant=tenant, version=version, pool=pool)
+    node, token = create_node("spot-1")
+    session = make_session(node, deployment.cluster_name, channel="main-elsewhere")
+    AgentSession.objects.filter(pk=session.pk).update(ready_versions=[version.pk])
+
+    async def run() -> tuple[bool, bool]:
+        headers = [(b"authorization", f"Bearer {token}".encode())]
+        ws = WebsocketCommunicator(consumers.AgentConsumer.as_asgi(), AGENT_WS_PATH, headers)
+        assert (await ws.connect())[0]
+        await ws.send_to(text_data=Attach(session=session.pk).model_dump_json())
+        await ws.receive_nothing(timeout=0.2)
+        (data_link,) = state.pool.data_links()
+        attached = data_link.spot
+        # The refresh loop follows the session's pool: marked on-demand, the link follows.
+        await asyncio.to_thread(Pool.objects.filter(pk=pool.pk).update, spot=False)
+        await state._follow_sessions(await asyncio.to_thread(live_agents))
+        followed = data_link.spot
+        await ws.disconnect()
+        return attached, followed
+
+    assert async_to_sync(run)() == (True, False)
 
 
 # Dispatch ------------------------------------------------------------------------------------
