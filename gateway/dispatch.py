@@ -245,6 +245,8 @@ class AgentPool:
         self._ids = itertools.count((random.getrandbits(20) << 32) + 1)
         # Filled by the gateway's refresh loop: version id -> channel names in other processes.
         self.remote: dict[int, list[str]] = {}
+        # Of those, the channels of agents in a spot pool (see ``prefer_spot``).
+        self.remote_spot: set[str] = set()
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
         self._remote_streams: dict[int, StreamInbox] = {}
@@ -395,7 +397,8 @@ class AgentPool:
             fut: asyncio.Future[AgentReply] = loop.create_future()
             self._remote_pending[request.id] = fut
             self.dispatched["forwarded"] += 1
-            send = partial(self.remote_sender, random.choice(channels))
+            channel = random.choice(self._remote_choice(channels, priority))
+            send = partial(self.remote_sender, channel)
             try:
                 await self._send(send, frame)
                 return await self._wait(fut, timeout, request.id, send)
@@ -464,7 +467,8 @@ class AgentPool:
             self.dispatched["local"] += 1
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
             self.dispatched["forwarded"] += 1
-            channel = random.choice(self.remote[request.version_id])
+            channels = self._remote_choice(self.remote[request.version_id], request.priority)
+            channel = random.choice(channels)
             send = partial(self.remote_sender, channel)
             stream = self._remote_streams[request.id] = StreamInbox(request.id, send)
         else:
@@ -475,6 +479,12 @@ class AgentPool:
             self.close_stream(stream)
             raise (await ended_as(link, exc) if link is not None else exc) from None
         return stream
+
+    def _remote_choice(self, channels: list[str], priority: int) -> list[str]:
+        """The channels a forwarded request chooses among: as ``prefer_spot`` for links."""
+        want = priority == BATCH
+        own = [c for c in channels if (c in self.remote_spot) == want]
+        return own or channels
 
     def close_stream(self, stream: StreamInbox) -> None:
         self._remote_streams.pop(stream.id, None)

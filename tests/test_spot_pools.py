@@ -316,3 +316,14 @@ def test_a_pre_empted_spot_agent_answers_its_requests_with_a_retryable_502() -> 
 
     error = async_to_sync(run)()
     assert (error.status, error.retry_after) == (502, 1)
+
+
+def test_a_forwarded_request_prefers_the_same_kind_of_agent() -> None:
+    """The channel-layer fallback (an agent with no link to this process yet) chooses alike."""
+    pool = AgentPool()
+    pool.remote_spot = {"spot-channel"}
+    both = ["spot-channel", "plain-channel"]
+    assert pool._remote_choice(both, BATCH) == ["spot-channel"]
+    assert pool._remote_choice(both, INTERACTIVE) == ["plain-channel"]
+    assert pool._remote_choice(["plain-channel"], BATCH) == ["plain-channel"]
+    assert pool._remote_choice(["spot-channel"], CRITICAL) == ["spot-channel"]
