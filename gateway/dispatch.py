@@ -187,8 +187,9 @@ class AgentLink:
     session: int | None = None
     node_id: int = 0
     # The agent runs in a spot (preemptible) pool: batch-class requests prefer it, every other
-    # request avoids it while a non-spot link serves the version. Set when the agent says hello
-    # or attaches, from its deployment's pool, so dispatch reads no database.
+    # request avoids it while a non-spot link serves the version. Set (``AgentPool.set_spot``)
+    # when the agent says hello or attaches, from its deployment's pool, and followed when its
+    # assignment changes: dispatch reads no database.
     spot: bool = False
     # A data link whose agent's main connection is moving (its session closed, or a new one
     # not yet ready) keeps serving what it served until the new session reports a ready
@@ -240,6 +241,9 @@ class AgentPool:
         self.full_budget_s = 10.0
         self._links: list[AgentLink] = []
         self._by_version: dict[int, list[AgentLink]] = {}
+        # Versions served here by spot and non-spot links both: only their requests filter
+        # the links by kind (``prefer_spot``); for every other version a set lookup is all.
+        self._mixed: set[int] = set()
         # Ids are unique across processes, so an agent reached through the channel layer can
         # be handed requests from several gateways without renumbering them.
         self._ids = itertools.count((random.getrandbits(20) << 32) + 1)
@@ -268,6 +272,12 @@ class AgentPool:
         """Replace what a link serves (a data link follows its session's ready versions)."""
         if ready != link.ready:
             link.ready = set(ready)
+            self._reindex()
+
+    def set_spot(self, link: AgentLink, spot: bool) -> None:
+        """Mark a link as an agent in a spot pool (or not), from its session's pool."""
+        if spot != link.spot:
+            link.spot = spot
             self._reindex()
 
     def data_links(self) -> list[AgentLink]:
@@ -303,6 +313,9 @@ class AgentPool:
             for vid in link.ready:
                 index.setdefault(vid, []).append(link)
         self._by_version = index
+        self._mixed = {
+            vid for vid, links in index.items() if len({link.spot for link in links}) > 1
+        }
 
     def is_ready(self, version_id: int) -> bool:
         return bool(self._by_version.get(version_id) or self.remote.get(version_id))
@@ -314,13 +327,9 @@ class AgentPool:
     def local_channel_names(self) -> set[str]:
         return {link.name for link in self._links}
 
-    def _pick(
-        self, links: list[AgentLink], load: Callable[[AgentLink], int], priority: int = INTERACTIVE
-    ) -> AgentLink:
-        """The link with the least ``load`` among those of the request's kind of capacity
-        (``prefer_spot``); ties taken in turn, so that agents share even traffic that never
-        queues."""
-        links = prefer_spot(links, priority)
+    def _pick(self, links: list[AgentLink], load: Callable[[AgentLink], int]) -> AgentLink:
+        """The link with the least ``load``; ties taken in turn, so that agents share even
+        traffic that never queues."""
         if len(links) == 1:
             return links[0]
         self._turn += 1
@@ -424,7 +433,9 @@ class AgentPool:
         ]
         if not links:
             return None
-        return self._pick(links, lambda candidate: len(candidate.pending), priority)
+        if version_id in self._mixed:
+            links = prefer_spot(links, priority)
+        return self._pick(links, lambda candidate: len(candidate.pending))
 
     async def _infer_on(
         self, link: AgentLink, request: InferRequest, arrays: list[np.ndarray], timeout: float
@@ -462,7 +473,9 @@ class AgentPool:
         links = self._by_version.get(request.version_id)
         link: AgentLink | None = None
         if links:
-            link = self._pick(links, lambda c: len(c.pending) + len(c.streams), request.priority)
+            if request.version_id in self._mixed:
+                links = prefer_spot(links, request.priority)
+            link = self._pick(links, lambda c: len(c.pending) + len(c.streams))
             stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
             self.dispatched["local"] += 1
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
@@ -598,8 +611,6 @@ def prefer_spot(links: list[AgentLink], priority: int) -> list[AgentLink]:
     everything else stays off it, each falling back to the other kind when none of its own
     serves the version. A list filter, no database: ``AgentLink.spot`` came with the link."""
     want = priority == BATCH
-    if all(link.spot == want for link in links):
-        return links
     own = [link for link in links if link.spot == want]
     return own or links
 

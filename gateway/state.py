@@ -324,7 +324,7 @@ class GatewayState:
         for link in links:
             agent = by_session.get(link.session or 0)
             if agent is not None:
-                link.spot = agent.spot
+                self.pool.set_spot(link, agent.spot)
             ready = (
                 set(agent.ready) if agent is not None and agent.node_id == link.node_id else set()
             )
