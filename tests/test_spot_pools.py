@@ -147,65 +147,74 @@ def test_sessions_report_their_pools_flag(onnx_bytes) -> None:
     assert {x.session_id: x.spot for x in live_agents()} == {a.pk: True, b.pk: False, c.pk: False}
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_replica_on_a_spot_pool_says_hello_and_its_link_is_spot(onnx_bytes, monkeypatch):
-    state = GatewayState()
-    monkeypatch.setattr(consumers, "get_state", lambda: state)
-    tenant = make_tenant("alpha")
-    version = make_version(make_model(tenant), onnx_bytes)
-    pool = Pool.objects.create(name="spot", backend="local", spot=True)
-    deployment = Deployment.objects.create(tenant=tenant, version=version, pool=pool)
-    _, token = create_node("spot-1")
+@pytest.fixture
+def spot_site(onnx_bytes, monkeypatch, transactional_db):
+    """A gateway state of the test's own, a version deployed on a spot pool, and a node."""
+
+    class Site:
+        state = GatewayState()
+        tenant = make_tenant("alpha")
+        version = make_version(make_model(tenant), onnx_bytes)
+        pool = Pool.objects.create(name="spot", backend="local", spot=True)
+        deployment = Deployment.objects.create(tenant=tenant, version=version, pool=pool)
+        node, token = create_node("spot-1")
+
+    monkeypatch.setattr(consumers, "get_state", lambda: Site.state)
+    return Site
+
+
+def agent_socket(token: str) -> WebsocketCommunicator:
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+    return WebsocketCommunicator(consumers.AgentConsumer.as_asgi(), AGENT_WS_PATH, headers)
+
+
+def mark_on_demand(pool: Pool) -> None:
+    Pool.objects.filter(pk=pool.pk).update(spot=False)
+
+
+def test_a_replica_on_a_spot_pool_says_hello_and_its_link_is_spot(spot_site):
+    site = spot_site
 
     async def run() -> tuple[bool, bool]:
-        headers = [(b"authorization", f"Bearer {token}".encode())]
-        ws = WebsocketCommunicator(consumers.AgentConsumer.as_asgi(), AGENT_WS_PATH, headers)
+        ws = agent_socket(site.token)
         assert (await ws.connect())[0]
         hello = Hello(
             agent_version="test",
             host="h",
             cpu_count=1,
             memory_bytes=1 << 30,
-            deployment=deployment.cluster_name,
+            deployment=site.deployment.cluster_name,
         )
         await ws.send_to(text_data=hello.model_dump_json())
         await ws.receive_from(timeout=5)  # the assignment
-        (consumer,) = state.agent_consumers
+        (consumer,) = site.state.agent_consumers
         first = consumer.link.spot
         # The pool is marked on-demand: the next assignment push carries the change.
-        await asyncio.to_thread(Pool.objects.filter(pk=pool.pk).update, spot=False)
+        await asyncio.to_thread(mark_on_demand, site.pool)
         await consumer.push_assignment()
         second = consumer.link.spot
         await ws.disconnect()
         return first, second
 
     assert async_to_sync(run)() == (True, False)
-    assert AgentSession.objects.get().deployment_id == deployment.pk
+    assert AgentSession.objects.get().deployment_id == site.deployment.pk
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_data_link_carries_its_sessions_flag_and_follows_it(onnx_bytes, monkeypatch):
-    state = GatewayState()
-    monkeypatch.setattr(consumers, "get_state", lambda: state)
-    tenant = make_tenant("alpha")
-    version = make_version(make_model(tenant), onnx_bytes)
-    pool = Pool.objects.create(name="spot", backend="local", spot=True)
-    deployment = Deployment.objects.create(tenant=tenant, version=version, pool=pool)
-    node, token = create_node("spot-1")
-    session = make_session(node, deployment.cluster_name, channel="main-elsewhere")
-    AgentSession.objects.filter(pk=session.pk).update(ready_versions=[version.pk])
+def test_a_data_link_carries_its_sessions_flag_and_follows_it(spot_site):
+    site = spot_site
+    session = make_session(site.node, site.deployment.cluster_name, channel="main-elsewhere")
+    AgentSession.objects.filter(pk=session.pk).update(ready_versions=[site.version.pk])
 
     async def run() -> tuple[bool, bool]:
-        headers = [(b"authorization", f"Bearer {token}".encode())]
-        ws = WebsocketCommunicator(consumers.AgentConsumer.as_asgi(), AGENT_WS_PATH, headers)
+        ws = agent_socket(site.token)
         assert (await ws.connect())[0]
         await ws.send_to(text_data=Attach(session=session.pk).model_dump_json())
         await ws.receive_nothing(timeout=0.2)
-        (data_link,) = state.pool.data_links()
+        (data_link,) = site.state.pool.data_links()
         attached = data_link.spot
         # The refresh loop follows the session's pool: marked on-demand, the link follows.
-        await asyncio.to_thread(Pool.objects.filter(pk=pool.pk).update, spot=False)
-        await state._follow_sessions(await asyncio.to_thread(live_agents))
+        await asyncio.to_thread(mark_on_demand, site.pool)
+        await site.state._follow_sessions(await asyncio.to_thread(live_agents))
         followed = data_link.spot
         await ws.disconnect()
         return attached, followed
