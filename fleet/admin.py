@@ -177,7 +177,8 @@ def _mib(size: int | None) -> str:
 
 @admin.register(Pool)
 class PoolAdmin(AuditedAdmin):
-    list_display = ["name", "backend", "namespace", "description", "deployment_count"]
+    list_display = ["name", "backend", "namespace", "spot", "description", "deployment_count"]
+    list_filter = ["spot", "backend"]
     search_fields = ["name", "description"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Pool]:

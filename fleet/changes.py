@@ -8,7 +8,7 @@ from registry.models import Alias, Model, ModelVersion
 from rollouts.models import PlanArm, RolloutPlan
 from tenants.models import ApiKey, Quota, Tenant
 
-from .models import ConfigGeneration, Deployment, Node
+from .models import ConfigGeneration, Deployment, Node, Pool
 
 # Keys, quotas and routes are cached by the gateways; nodes, plans and deployments change which
 # agent serves which version.
@@ -23,6 +23,7 @@ WATCHED = (
     RolloutPlan,
     PlanArm,
     Deployment,
+    Pool,  # its spot flag: the links of its replicas carry it (gateway.dispatch)
 )
 
 

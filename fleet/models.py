@@ -129,6 +129,11 @@ class Pool(models.Model):
     node_selector = models.JSONField(default=dict, blank=True)
     tolerations = models.JSONField(default=list, blank=True)
     description = models.CharField(max_length=200, blank=True)
+    # Spot / preemptible capacity: cheaper, but a replica may be taken away at any moment.
+    # Batch-class requests prefer agents here; every other request avoids them when it can.
+    spot = models.BooleanField(
+        default=False, help_text="spot or preemptible nodes: batch work prefers them"
+    )
 
     class Meta:
         db_table = "rollouts_pool"  # made by the rollouts app, moved here with its rows

@@ -162,15 +162,27 @@ class LiveAgent(NamedTuple):
     node_id: int
     channel_name: str
     ready: list[int]
+    spot: bool = False  # a replica of a deployment on a spot pool
 
 
 def live_agents() -> list[LiveAgent]:
     """The agent connections alive in any gateway process (their main connections)."""
     rows = live_sessions().filter(node__enabled=True)
+    fields = ("pk", "node_id", "channel_name", "ready_versions", "deployment__pool__spot")
     return [
-        LiveAgent(*row)
-        for row in rows.values_list("pk", "node_id", "channel_name", "ready_versions")
+        LiveAgent(pk, node_id, channel, ready, bool(spot))
+        for pk, node_id, channel, ready, spot in rows.values_list(*fields)
     ]
+
+
+def session_spot(session_id: int) -> bool:
+    """Whether the session is a replica of a deployment on a spot pool: its links carry the
+    flag, so that dispatch prefers or avoids them without a query per request."""
+    return bool(
+        AgentSession.objects.filter(pk=session_id)
+        .values_list("deployment__pool__spot", flat=True)
+        .first()
+    )
 
 
 def attached_ready(node: Node, session_id: int) -> list[int] | None:

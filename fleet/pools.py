@@ -19,7 +19,16 @@ from tenants.audit import Actor, audit
 
 from .models import Pool
 
-FIELDS = ("name", "backend", "namespace", "image", "node_selector", "tolerations", "description")
+FIELDS = (
+    "name",
+    "backend",
+    "namespace",
+    "image",
+    "node_selector",
+    "tolerations",
+    "description",
+    "spot",
+)
 
 
 class PoolFileError(ValueError):
@@ -60,6 +69,8 @@ def parse_pools(data: Any) -> list[Pool]:
         for name in ("name", "backend", "namespace", "image", "description"):
             if name in entry and not isinstance(entry[name], str):
                 raise PoolFileError(f"{where}.{name}: expected a string")
+        if "spot" in entry and not isinstance(entry["spot"], bool):
+            raise PoolFileError(f"{where}.spot: expected true or false")
         pool = Pool(**entry)
         try:
             pool.full_clean(validate_unique=False)

@@ -194,6 +194,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.link = AgentLink(self.channel_name, self._send_message)
             self.state.pool.add(self.link)
             self.state.agent_consumers.add(self)
+        self.state.pool.set_spot(self.link, await db_call(nodes.session_spot)(session.pk))
         log.info(
             "agent %s connected from %s (%s)", self.node, hello.host, ", ".join(hello.providers)
         )
@@ -216,6 +217,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # A new session of the same agent, nothing reported ready yet: keep serving.
             carry(self.link, time.monotonic())
         self.link.session = attach.session
+        self.state.pool.set_spot(self.link, await db_call(nodes.session_spot)(attach.session))
         if ready or not self.link.carried:
             self.link.carried, self.link.carried_until = set(), 0.0
             self.state.pool.set_ready_versions(self.link, set(ready))
@@ -261,6 +263,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
         specs = await db_call(assignments.assignment_for)(node, self.session_id)
+        if self.link is not None:  # its pool may have been marked spot (or not) since
+            spot = await db_call(nodes.session_spot)(self.session_id)
+            self.state.pool.set_spot(self.link, spot)
         if force or specs != self.sent_assignment:
             self.sent_assignment = specs
             heartbeat = settings.SWITCHYARD_AGENT_HEARTBEAT_S

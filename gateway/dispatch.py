@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from serving_agent.protocol import (
+    BATCH,
     INTERACTIVE,
     CancelGenerate,
     FrameError,
@@ -185,6 +186,11 @@ class AgentLink:
     ready: set[int] = field(default_factory=set)
     session: int | None = None
     node_id: int = 0
+    # The agent runs in a spot (preemptible) pool: batch-class requests prefer it, every other
+    # request avoids it while a non-spot link serves the version. Set (``AgentPool.set_spot``)
+    # when the agent says hello or attaches, from its deployment's pool, and followed when its
+    # assignment changes: dispatch reads no database.
+    spot: bool = False
     # A data link whose agent's main connection is moving (its session closed, or a new one
     # not yet ready) keeps serving what it served until the new session reports a ready
     # version or ``carried_until`` (time.monotonic) passes; see GatewayState._follow_sessions.
@@ -235,11 +241,16 @@ class AgentPool:
         self.full_budget_s = 10.0
         self._links: list[AgentLink] = []
         self._by_version: dict[int, list[AgentLink]] = {}
+        # Versions served here by spot and non-spot links both: only their requests filter
+        # the links by kind (``prefer_spot``); for every other version a set lookup is all.
+        self._mixed: set[int] = set()
         # Ids are unique across processes, so an agent reached through the channel layer can
         # be handed requests from several gateways without renumbering them.
         self._ids = itertools.count((random.getrandbits(20) << 32) + 1)
         # Filled by the gateway's refresh loop: version id -> channel names in other processes.
         self.remote: dict[int, list[str]] = {}
+        # Of those, the channels of agents in a spot pool (see ``prefer_spot``).
+        self.remote_spot: set[str] = set()
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
         self._remote_streams: dict[int, StreamInbox] = {}
@@ -263,17 +274,28 @@ class AgentPool:
             link.ready = set(ready)
             self._reindex()
 
+    def set_spot(self, link: AgentLink, spot: bool) -> None:
+        """Mark a link as an agent in a spot pool (or not), from its session's pool."""
+        if spot != link.spot:
+            link.spot = spot
+            self._reindex()
+
     def data_links(self) -> list[AgentLink]:
         return [link for link in self._links if link.session is not None]
 
     def remove(self, link: AgentLink, reason: str, *, restarting: bool = False) -> None:
         """Forget a link and fail its outstanding requests at once: 502 when the agent went
-        away, 503 with a retry hint when this server is shutting down (the agent is fine and
-        a retry reaches it through another process)."""
+        away (with a retry hint when it was a spot replica, pre-empted), 503 with a retry hint
+        when this server is shutting down (the agent is fine and a retry reaches it through
+        another process)."""
         if link in self._links:
             self._links.remove(link)
             self._reindex()
         status, retry_after = (503, 1) if restarting else (502, None)
+        if link.spot and not restarting:
+            # A spot replica is taken away by design (pre-emption): say the request may be
+            # sent again, and the retry lands on the version's other replicas.
+            retry_after = 1
         link.ended_with = DispatchError(status, reason, retry_after)
         link.ended.set()
         for fut in link.pending.values():
@@ -291,6 +313,9 @@ class AgentPool:
             for vid in link.ready:
                 index.setdefault(vid, []).append(link)
         self._by_version = index
+        self._mixed = {
+            vid for vid, links in index.items() if len({link.spot for link in links}) > 1
+        }
 
     def is_ready(self, version_id: int) -> bool:
         return bool(self._by_version.get(version_id) or self.remote.get(version_id))
@@ -347,7 +372,7 @@ class AgentPool:
         )
         tried: list[AgentLink] = []
         while True:
-            link = self._local_link(version_id, tried)
+            link = self._local_link(version_id, tried, priority)
             if link is None:
                 break
             try:
@@ -381,7 +406,8 @@ class AgentPool:
             fut: asyncio.Future[AgentReply] = loop.create_future()
             self._remote_pending[request.id] = fut
             self.dispatched["forwarded"] += 1
-            send = partial(self.remote_sender, random.choice(channels))
+            channel = random.choice(self._remote_choice(channels, priority))
+            send = partial(self.remote_sender, channel)
             try:
                 await self._send(send, frame)
                 return await self._wait(fut, timeout, request.id, send)
@@ -394,8 +420,11 @@ class AgentPool:
             raise DispatchError(503, "every serving agent of this version is failing", wait)
         raise DispatchError(503, "no serving agent is ready for this model version", 1)
 
-    def _local_link(self, version_id: int, exclude: list[AgentLink]) -> AgentLink | None:
-        """The least loaded link here serving the version whose breaker lets it take work."""
+    def _local_link(
+        self, version_id: int, exclude: list[AgentLink], priority: int = INTERACTIVE
+    ) -> AgentLink | None:
+        """The least loaded link here serving the version whose breaker lets it take work,
+        on spot capacity for a batch request and off it for any other when there is a choice."""
         now = time.monotonic()
         links = [
             link
@@ -404,6 +433,8 @@ class AgentPool:
         ]
         if not links:
             return None
+        if version_id in self._mixed:
+            links = prefer_spot(links, priority)
         return self._pick(links, lambda candidate: len(candidate.pending))
 
     async def _infer_on(
@@ -442,12 +473,15 @@ class AgentPool:
         links = self._by_version.get(request.version_id)
         link: AgentLink | None = None
         if links:
+            if request.version_id in self._mixed:
+                links = prefer_spot(links, request.priority)
             link = self._pick(links, lambda c: len(c.pending) + len(c.streams))
             stream = link.streams[request.id] = StreamInbox(request.id, link.send_frame)
             self.dispatched["local"] += 1
         elif self.remote.get(request.version_id) and self.remote_sender is not None:
             self.dispatched["forwarded"] += 1
-            channel = random.choice(self.remote[request.version_id])
+            channels = self._remote_choice(self.remote[request.version_id], request.priority)
+            channel = random.choice(channels)
             send = partial(self.remote_sender, channel)
             stream = self._remote_streams[request.id] = StreamInbox(request.id, send)
         else:
@@ -458,6 +492,12 @@ class AgentPool:
             self.close_stream(stream)
             raise (await ended_as(link, exc) if link is not None else exc) from None
         return stream
+
+    def _remote_choice(self, channels: list[str], priority: int) -> list[str]:
+        """The channels a forwarded request chooses among: as ``prefer_spot`` for links."""
+        want = priority == BATCH
+        own = [c for c in channels if (c in self.remote_spot) == want]
+        return own or channels
 
     def close_stream(self, stream: StreamInbox) -> None:
         self._remote_streams.pop(stream.id, None)
@@ -564,6 +604,15 @@ class AgentPool:
             streams.pop(header.id, None)
             stream.fail(SlowClient(429, "the client read its stream too slowly"))
             in_background(stream.cancel())
+
+
+def prefer_spot(links: list[AgentLink], priority: int) -> list[AgentLink]:
+    """The links a request should choose among: batch-class work goes to spot capacity and
+    everything else stays off it, each falling back to the other kind when none of its own
+    serves the version. A list filter, no database: ``AgentLink.spot`` came with the link."""
+    want = priority == BATCH
+    own = [link for link in links if link.spot == want]
+    return own or links
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

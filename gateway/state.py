@@ -305,6 +305,7 @@ class GatewayState:
                 for vid in agent.ready:
                     remote.setdefault(vid, []).append(agent.channel_name)
         self.pool.remote = remote
+        self.pool.remote_spot = {a.channel_name for a in agents if a.spot}
         if remote and self._reply_task is None:
             await self._start_reply_listener(layer)
 
@@ -322,6 +323,8 @@ class GatewayState:
         carrying = []
         for link in links:
             agent = by_session.get(link.session or 0)
+            if agent is not None:
+                self.pool.set_spot(link, agent.spot)
             ready = (
                 set(agent.ready) if agent is not None and agent.node_id == link.node_id else set()
             )

@@ -246,11 +246,18 @@ def test_every_tenant_sees_every_pool(fleet):
     for key in (fleet.key_a, fleet.key_b):
         pools = key_client(key).get("/api/v1/pools").json()
         assert pools == [
-            {"name": "cpu", "backend": "local", "namespace": "switchyard", "description": ""},
+            {
+                "name": "cpu",
+                "backend": "local",
+                "namespace": "switchyard",
+                "spot": False,
+                "description": "",
+            },
             {
                 "name": "gpu-a100",
                 "backend": "kubernetes",
                 "namespace": "ml",
+                "spot": False,
                 "description": "A100 nodes",
             },
         ]

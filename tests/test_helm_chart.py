@@ -140,6 +140,7 @@ def test_gpu_pools_and_service_monitor(rendered: dict[str, list[dict[str, Any]]]
             "node_selector": {"nvidia.com/gpu.product": "A100"},
             "tolerations": [],
             "description": "",
+            "spot": False,
         }
     ]
     job = _get(docs, "Job", "-sync-pools")

@@ -2,7 +2,14 @@ from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import alias_views, keys_views, monitoring_views, prediction_views, views
+from . import (
+    alias_views,
+    keys_views,
+    monitoring_views,
+    prediction_views,
+    rightsizing_views,
+    views,
+)
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -29,6 +36,15 @@ urlpatterns = [
 # The prediction log and online quality of a model (web.prediction_views).
 urlpatterns += [
     path("models/<str:name>/predictions/", prediction_views.model_predictions, name="predictions"),
+]
+
+# Right-sizing: measured use and recommendations (web.rightsizing_views).
+urlpatterns += [
+    path(
+        "models/<str:name>/rightsizing/",
+        rightsizing_views.model_rightsizing,
+        name="rightsizing",
+    ),
 ]
 
 # Drift, SLOs and alerts (web.monitoring_views).

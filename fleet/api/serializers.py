@@ -139,10 +139,16 @@ class DecisionFilter(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
 
 
+class RightsizingFilter(serializers.Serializer):
+    minutes = serializers.IntegerField(
+        min_value=1, max_value=24 * 60, default=15, help_text="the traffic window"
+    )
+
+
 class PoolSerializer(serializers.ModelSerializer):
     class Meta:
         model = Pool
-        fields = ["name", "backend", "namespace", "description"]
+        fields = ["name", "backend", "namespace", "spot", "description"]
         read_only_fields = fields
 
 

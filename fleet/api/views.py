@@ -6,8 +6,11 @@ download agents make with their node token. Thin views over ``fleet.deployments`
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.conf import settings
 from django.http import FileResponse, HttpResponseRedirect
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound
@@ -18,9 +21,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.tokens import bearer
+from registry.access import model_for
 from registry.models import ModelVersion
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
+from .. import rightsizing
 from ..assignments import may_download
 from ..deployments import (
     create_deployment,
@@ -41,6 +46,7 @@ from .serializers import (
     DeploymentInputSerializer,
     DeploymentSerializer,
     PoolSerializer,
+    RightsizingFilter,
     deployment_data,
 )
 
@@ -128,6 +134,21 @@ class AgentListView(APIView):
     def get(self, request: CallerRequest) -> Response:
         agents = tenant_agents(request.caller.tenant_id)
         return Response(AgentSerializer(agents, many=True).data)
+
+
+class RightsizingView(APIView):
+    """A model's measured utilisation, batch occupancy, queue time and cost, and the
+    recommendations they justify (``fleet.rightsizing``). Any member reads it."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(parameters=[RightsizingFilter], responses=OpenApiTypes.OBJECT)
+    def get(self, request: CallerRequest, name: str) -> Response:
+        model = model_for(request.caller.tenant_id, name)
+        where = RightsizingFilter(data=request.query_params)
+        where.is_valid(raise_exception=True)
+        window = timedelta(minutes=where.validated_data["minutes"])
+        return Response(rightsizing.report(model, window))
 
 
 def node_download(request: Request, version_id: int, what: str) -> ModelVersion | Response:

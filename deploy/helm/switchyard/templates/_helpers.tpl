@@ -54,7 +54,7 @@ carries the new list itself).
 {{- $pools := list }}
 {{- range .Values.gpuPools }}
 {{- $image := default (printf "%s:%s" $.Values.image.agentCuda.repository $.Values.image.agentCuda.tag) .image }}
-{{- $pools = append $pools (dict "name" (required "gpuPools[].name is required" .name) "backend" "kubernetes" "namespace" $.Release.Namespace "image" $image "node_selector" (default dict .nodeSelector) "tolerations" (default list .tolerations) "description" (default "" .description)) }}
+{{- $pools = append $pools (dict "name" (required "gpuPools[].name is required" .name) "backend" "kubernetes" "namespace" $.Release.Namespace "image" $image "node_selector" (default dict .nodeSelector) "tolerations" (default list .tolerations) "description" (default "" .description) "spot" (default false .spot)) }}
 {{- end }}
 {{- $pools | toJson }}
 {{- end }}
