@@ -53,7 +53,9 @@ CENT = Decimal("0.000001")
 
 def _seconds(load: Mapping[str, Any], field: str) -> float:
     value = load.get(field, 0.0)
-    if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    if not math.isfinite(value) or value < 0:
         return 0.0
     return float(value)
 
@@ -329,7 +331,7 @@ def grouped(rows: QuerySet[UsageDay], group: str, by_tenant: bool = False) -> li
     keys = {
         "day": ["day"],
         "model": ["model__name"],
-        "version": ["model__name", "version__number"],
+        "version": ["model__name", "version__version"],
     }[group]
     if by_tenant:
         keys = ["tenant__slug", *keys]
@@ -340,7 +342,7 @@ def grouped(rows: QuerySet[UsageDay], group: str, by_tenant: bool = False) -> li
             "tenant": row.get("tenant__slug"),
             "day": row["day"].isoformat() if "day" in row else None,
             "model": row.get("model__name"),
-            "version": row.get("version__number"),
+            "version": row.get("version__version"),
         }
         item = {k: v for k, v in item.items() if v is not None}
         for f in FIELDS:
@@ -401,8 +403,8 @@ def export_csv(rows: QuerySet[UsageDay]) -> Iterator[bytes]:
     writer = csv.writer(_Line())
     yield writer.writerow(CSV_FIELDS).encode()
     values = (
-        rows.order_by("day", "tenant__slug", "model__name", "version__number")
-        .values_list("tenant__slug", "day", "model__name", "version__number", *FIELDS)
+        rows.order_by("day", "tenant__slug", "model__name", "version__version")
+        .values_list("tenant__slug", "day", "model__name", "version__version", *FIELDS)
         .iterator(chunk_size=1000)
     )
     for row in values:
