@@ -59,7 +59,8 @@ def spent_in(tenant_id: int, month: date) -> Decimal:
     total = UsageDay.objects.filter(
         tenant_id=tenant_id, day__gte=month, day__lt=next_month(month)
     ).aggregate(cost=Sum("cost"))["cost"]
-    return Decimal(total or 0)
+    # SQLite sums decimals with more places than the column has.
+    return Decimal(total or 0).quantize(Decimal("0.000001"))
 
 
 def refusal(budget: Budget) -> str:

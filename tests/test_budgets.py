@@ -309,7 +309,7 @@ def test_the_budget_reads_this_months_spend_for_the_callers_tenant_only(world, s
     assert mine["monthly_limit"] == "100.00" and mine["spent"] == "103.200000"
     assert mine["percent"] == 103.2 and mine["stopped"] is True and mine["hard_stop"] is True
     theirs = key_client(world.key_b).get("/api/v1/budget").json()
-    assert theirs["monthly_limit"] is None and theirs["spent"] == "0"
+    assert theirs["monthly_limit"] is None and theirs["spent"] == "0.000000"
     # Tenant B's approver cannot touch A's budget: B's own is set instead.
     boss_b = approver(world.b)
     as_user(boss_b, "beta").put("/api/v1/budget", {"monthly_limit": 7})
