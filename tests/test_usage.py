@@ -375,3 +375,69 @@ def test_the_usage_api_needs_a_member(world):
     from tests.factories import as_user as signed_in
 
     assert signed_in(world.outsider).get("/api/v1/usage").status_code == 403
+
+
+# The usage page ---------------------------------------------------------------------------------
+
+
+def signed_in(user):
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db
+def test_the_usage_page_shows_the_tenants_usage_charts_and_export(world, usage_rows):
+    response = signed_in(world.viewer_a).get("/usage/")
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'id="cost-chart"' in html and 'id="usage-series"' in html
+    assert "/api/v1/usage/export?format=csv" in html and "tenant=alpha" in html
+    assert ">clf<" in html and "99" not in response.context["total"].values()
+    assert response.context["total"]["requests"] == 10
+    assert 'href="/usage/"' in html  # the nav link
+    assert "Every tenant" not in html  # operators only
+
+
+@pytest.mark.django_db
+def test_operators_see_every_tenant_on_the_page(world, usage_rows, admin_user):
+    from tenants.models import Membership
+
+    Membership.objects.create(tenant=world.a, user=admin_user, role="viewer")
+    response = signed_in(admin_user).get("/usage/?all=1")
+    assert response.context["everyone"] is True
+    assert response.context["total"]["requests"] == 109
+    assert "all=1" in response.context["export_url"]
+    own = signed_in(world.viewer_a).get("/usage/?all=1")  # not staff: the flag is ignored
+    assert own.context["everyone"] is False and own.context["total"]["requests"] == 10
+
+
+@pytest.mark.django_db
+def test_the_override_button_lifts_the_stop_for_approvers_only(world, onnx_bytes):
+    from monitoring import budgets
+
+    version = make_version(make_model(world.a, "clf"), onnx_bytes)
+    UsageDay.objects.create(
+        tenant=world.a,
+        model=version.model,
+        version=version,
+        day=timezone.now().astimezone(UTC).date(),
+        cost=50,
+    )
+    boss = approver(world.a)
+    budgets.set_budget(world.a.pk, {"monthly_limit": 10, "hard_stop": True}, actor(boss))
+    page = signed_in(boss).get("/usage/").content.decode()
+    assert "data-budget-stopped" in page and "data-override" in page
+    until = min(budgets.month_end(timezone.now()), timezone.now() + timedelta(hours=1))
+    form = {"reason": "demo day", "until": until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")}
+    assert signed_in(world.engineer_a).post("/usage/override/", form).status_code == 403
+    assert budgets.stopped_tenants() != {}
+    bad = signed_in(boss).post("/usage/override/", {"reason": "x", "until": "soon"})
+    assert bad.status_code == 400 and "until" in bad.context["errors"]
+    if until <= timezone.now() + timedelta(minutes=1):
+        pytest.skip("the month ends within a minute")
+    done = signed_in(boss).post("/usage/override/", form)
+    assert done.status_code == 302 and budgets.stopped_tenants() == {}
+    assert AuditEvent.objects.get(action="budget.override").reason == "demo day"

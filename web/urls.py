@@ -2,7 +2,7 @@ from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import alias_views, keys_views, monitoring_views, prediction_views, views
+from . import alias_views, keys_views, monitoring_views, prediction_views, usage_views, views
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -61,4 +61,10 @@ urlpatterns += [
     path("keys/create/", keys_views.create_key, name="key-create"),
     path("keys/<int:key_id>/revoke/", keys_views.revoke_key, name="key-revoke"),
     path("keys/<int:key_id>/rotate/", keys_views.rotate_key, name="key-rotate"),
+]
+
+# Usage, cost and the monthly budget (web.usage_views).
+urlpatterns += [
+    path("usage/", usage_views.usage_page, name="usage"),
+    path("usage/override/", usage_views.override_budget, name="budget-override"),
 ]
