@@ -113,13 +113,16 @@ def record_compute(
 # Prices ----------------------------------------------------------------------------------------
 
 
+def price_rows(tenant_id: int | None) -> QuerySet[Price]:
+    """The tenant's own price rows (``None``: the platform's defaults)."""
+    if tenant_id is None:
+        return Price.objects.filter(tenant__isnull=True)
+    return Price.objects.filter(tenant_id=tenant_id)
+
+
 def prices_of(tenant_id: int | None) -> dict[str, Decimal]:
     """The tenant's own prices (``None``: the platform's defaults), by resource."""
-    return {
-        p.resource: p.unit_price
-        for p in Price.objects.filter(tenant_id=tenant_id)
-        if p.resource in UNITS_FIELD
-    }
+    return {p.resource: p.unit_price for p in price_rows(tenant_id) if p.resource in UNITS_FIELD}
 
 
 def effective_prices(tenant_id: int) -> dict[str, Decimal]:
@@ -172,7 +175,7 @@ def set_prices(tenant_id: int | None, values: Any, actor: Actor) -> dict[str, De
             raise Invalid(f"prices.{str(resource)[:40]}", "unknown resource")
     with transaction.atomic():
         before = {r: str(p) for r, p in prices_of(tenant_id).items()}
-        Price.objects.filter(tenant_id=tenant_id, resource__in=removed).delete()
+        price_rows(tenant_id).filter(resource__in=removed).delete()
         for resource, price in clean.items():
             Price.objects.update_or_create(
                 tenant_id=tenant_id,
@@ -259,8 +262,8 @@ def roll_up_day(day: date) -> int:
             prices[tenant_id] = effective_prices(tenant_id)
         values: dict[str, Any] = {f: counted.get(f, 0) for f in UNITS_FIELD.values()}
         values["cost"] = cost_of(values, prices[tenant_id])
-        row = existing.get(version_id)
-        if row is not None and all(getattr(row, f) == v for f, v in values.items()):
+        current = existing.get(version_id)
+        if current is not None and all(getattr(current, f) == v for f, v in values.items()):
             continue
         UsageDay.objects.update_or_create(
             version_id=version_id,
