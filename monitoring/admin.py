@@ -1,6 +1,6 @@
-"""Admin for usage and budgets. Operators set the platform's default prices here (saved through
-``usage.set_prices``: validated and audited); tenant prices, budgets and usage rows are shown
-only, since approvers change those through the API under their rules."""
+"""Admin for prices: operators set the platform's default prices here (saved through
+``usage.set_prices``: validated and audited); a tenant's own prices are shown only, since its
+approvers change them through the API under their rules."""
 
 from __future__ import annotations
 
@@ -16,21 +16,7 @@ from platform_site.errors import Invalid
 from tenants.audit import user_actor
 
 from . import usage
-from .models import Budget, Price, UsageDay
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in self.model._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+from .models import Price
 
 
 class DefaultPriceForm(forms.ModelForm):
@@ -74,14 +60,3 @@ class PriceAdmin(admin.ModelAdmin):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Price]) -> None:
         resources = list(queryset.filter(tenant=None).values_list("resource", flat=True))
         usage.set_prices(None, dict.fromkeys(resources), user_actor(request.user))
-
-
-@admin.register(Budget)
-class BudgetAdmin(ReadOnlyAdmin):
-    list_display = ["tenant", "monthly_limit", "currency", "spent", "hard_stop", "stopped"]
-
-
-@admin.register(UsageDay)
-class UsageDayAdmin(ReadOnlyAdmin):
-    list_display = ["day", "tenant", "model", "version", "requests", "rows", "cpu_s", "cost"]
-    list_filter = ["day"]

@@ -84,6 +84,13 @@ class TrafficCounter:
     def __init__(self) -> None:
         self._counts: dict[CounterKey, Counts] = {}
 
+    def _for(self, version_id: int, counted: PlanArmKey) -> Counts:
+        key = (version_id, counted)
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = Counts()
+        return counts
+
     def record(
         self,
         version_id: int,
@@ -95,10 +102,7 @@ class TrafficCounter:
         """Count one request of the version, for the plan and arm that routed it (``counted``:
         one tuple the caller already holds, so the key costs no unpacking), and the ``rows``
         it was answered for (0 when it was not answered)."""
-        key = (version_id, counted)
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._counts[key] = Counts()
+        counts = self._for(version_id, counted)
         counts.add(seconds, ok)
         counts.rows += rows
 
@@ -106,20 +110,13 @@ class TrafficCounter:
         self, version_id: int, tokens_in: int, tokens_out: int, counted: PlanArmKey = NO_PLAN
     ) -> None:
         """Count a generation's prompt and generated tokens (when its stream closes)."""
-        key = (version_id, counted)
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._counts[key] = Counts()
+        counts = self._for(version_id, counted)
         counts.tokens_in += tokens_in
         counts.tokens_out += tokens_out
 
     def degrade(self, version_id: int, counted: PlanArmKey = NO_PLAN) -> None:
         """The version's last failed request was answered by its model's fallback ladder."""
-        key = (version_id, counted)
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._counts[key] = Counts()
-        counts.degraded += 1
+        self._for(version_id, counted).degraded += 1
 
     def drain(self) -> dict[CounterKey, Counts]:
         counts, self._counts = self._counts, {}
