@@ -412,12 +412,15 @@ class Batcher:
             feed = concatenate(group)
             self.runs += 1
             self.batch_sizes.add(rows)
-            with self.meter.run(self.totals, rows, self._provider):
+            run_started = self.meter.start(self.totals)
+            try:
                 if self._executor is None:
                     outputs = self.runtime.run(feed)
                 else:
                     loop = asyncio.get_running_loop()
                     outputs = await loop.run_in_executor(self._executor, self.runtime.run, feed)
+            finally:
+                self.meter.stop(self.totals, run_started, rows, self._provider)
             check_output_rows(outputs, rows)
         except Exception as exc:  # noqa: BLE001 - whatever failed, every caller must hear it
             if not isinstance(exc, BadInput):

@@ -412,15 +412,15 @@ class Engine:
         rows = len(self._active) + len(admit)  # the worker is idle: its list is stable here
         now = time.perf_counter()
         self.totals.queue_wait_s += sum(now - stream.received for stream in admit)
+        run_started = self.meter.start(self.totals)
         try:
-            with self.meter.run(self.totals, rows, self.provider):
-                out, finished = await loop.run_in_executor(
-                    self._executor, self._step, admit, cancel
-                )
+            out, finished = await loop.run_in_executor(self._executor, self._step, admit, cancel)
         except Exception as exc:  # noqa: BLE001 - every stream must hear the failure
             logger.exception("generation step failed")
             out, finished = self._fail_all(admit, exc), [*admit, *self._active]
             self._active = []
+        finally:
+            self.meter.stop(self.totals, run_started, rows, self.provider)
         for stream in finished:
             if self._live.get(stream.id) is stream:
                 del self._live[stream.id]

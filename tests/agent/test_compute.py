@@ -111,11 +111,13 @@ def test_cpu_time_between_readings_is_split_evenly_between_the_runs_in_progress(
     clock = [0.0]
     meter = ComputeMeter(lambda: clock[0])
     a, b = RunTotals(), RunTotals()
-    with meter.run(a, 4, "python"):
-        clock[0] += 1.0  # a alone
-        with meter.run(b, 2, "python"):
-            clock[0] += 2.0  # a and b together: 1 each
-        clock[0] += 0.5  # a alone again
+    a_started = meter.start(a)
+    clock[0] += 1.0  # a alone
+    b_started = meter.start(b)
+    clock[0] += 2.0  # a and b together: 1 each
+    meter.stop(b, b_started, 2, "python")
+    clock[0] += 0.5  # a alone again
+    meter.stop(a, a_started, 4, "python")
     clock[0] += 7.0  # nothing runs: charged to nobody
     assert a.cpu_s == pytest.approx(2.5)
     assert b.cpu_s == pytest.approx(1.0)
@@ -126,11 +128,14 @@ def test_two_versions_with_equal_totals_are_still_told_apart() -> None:
     clock = [0.0]
     meter = ComputeMeter(lambda: clock[0])
     a, b = RunTotals(), RunTotals()
-    with meter.run(a, 1, "python"), meter.run(b, 1, "python"):
-        clock[0] += 2.0
+    a_started, b_started = meter.start(a), meter.start(b)
+    clock[0] += 2.0
+    meter.stop(b, b_started, 1, "python")
+    meter.stop(a, a_started, 1, "python")
     clock[0] += 1.0
-    with meter.run(b, 1, "python"):
-        clock[0] += 1.0
+    b_started = meter.start(b)
+    clock[0] += 1.0
+    meter.stop(b, b_started, 1, "python")
     assert (a.cpu_s, b.cpu_s) == (pytest.approx(1.0), pytest.approx(2.0))
 
 
