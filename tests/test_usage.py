@@ -441,3 +441,14 @@ def test_the_override_button_lifts_the_stop_for_approvers_only(world, onnx_bytes
     done = signed_in(boss).post("/usage/override/", form)
     assert done.status_code == 302 and budgets.stopped_tenants() == {}
     assert AuditEvent.objects.get(action="budget.override").reason == "demo day"
+
+
+@pytest.mark.django_db
+def test_prices_are_the_callers_tenants_only(world):
+    usage.set_prices(world.a.pk, {"row": "3"}, actor(approver(world.a)))
+    boss_b = approver(world.b)
+    seen = as_user(boss_b, "beta").get("/api/v1/usage/prices").json()
+    assert seen["prices"] == {} and seen["effective"]["row"] == "0"
+    as_user(boss_b, "beta").put("/api/v1/usage/prices", {"prices": {"row": "1"}})
+    assert usage.prices_of(world.a.pk) == {"row": Decimal("3")}
+    assert usage.prices_of(world.b.pk) == {"row": Decimal("1")}
