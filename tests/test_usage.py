@@ -397,6 +397,8 @@ def test_the_usage_page_shows_the_tenants_usage_charts_and_export(world, usage_r
     assert "/api/v1/usage/export?format=csv" in html and "tenant=alpha" in html
     assert ">clf<" in html and "99" not in response.context["total"].values()
     assert response.context["total"]["requests"] == 10
+    export = signed_in(world.viewer_a).get(response.context["export_url"])  # the link works
+    assert export.status_code == 200 and export.content.decode().count("alpha,") == 2
     assert 'href="/usage/"' in html  # the nav link
     assert "Every tenant" not in html  # operators only
 
