@@ -5,39 +5,54 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('monitoring', '0004_usage_prices_budgets'),
-        ('registry', '0009_version_queue_share_reference_lineage'),
+        ("monitoring", "0004_usage_prices_budgets"),
+        ("registry", "0009_version_queue_share_reference_lineage"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='trafficsample',
-            name='rows',
+            model_name="trafficsample",
+            name="rows",
             field=models.PositiveBigIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='trafficsample',
-            name='tokens_in',
+            model_name="trafficsample",
+            name="tokens_in",
             field=models.PositiveBigIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='trafficsample',
-            name='tokens_out',
+            model_name="trafficsample",
+            name="tokens_out",
             field=models.PositiveBigIntegerField(default=0),
         ),
         migrations.CreateModel(
-            name='ComputeDay',
+            name="ComputeDay",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('day', models.DateField(db_index=True)),
-                ('cpu_s', models.FloatField(default=0.0)),
-                ('accel_s', models.FloatField(default=0.0)),
-                ('version', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='compute_days', to='registry.modelversion')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("day", models.DateField(db_index=True)),
+                ("cpu_s", models.FloatField(default=0.0)),
+                ("accel_s", models.FloatField(default=0.0)),
+                (
+                    "version",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="compute_days",
+                        to="registry.modelversion",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('version', 'day'), name='one_compute_row_per_version_day')],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("version", "day"), name="one_compute_row_per_version_day"
+                    )
+                ],
             },
         ),
     ]
