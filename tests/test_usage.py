@@ -454,3 +454,20 @@ def test_prices_are_the_callers_tenants_only(world):
     as_user(boss_b, "beta").put("/api/v1/usage/prices", {"prices": {"row": "1"}})
     assert usage.prices_of(world.a.pk) == {"row": Decimal("3")}
     assert usage.prices_of(world.b.pk) == {"row": Decimal("1")}
+
+
+@pytest.mark.django_db
+def test_the_beat_runs_the_roll_up_on_its_interval(world, onnx_bytes):
+    from django.conf import settings as conf
+
+    from monitoring import tasks
+
+    entry = conf.CELERY_BEAT_SCHEDULE["roll-up-usage"]
+    assert entry == {
+        "task": "monitoring.tasks.roll_up_usage",
+        "schedule": conf.SWITCHYARD_USAGE_ROLLUP_INTERVAL_S,
+    }
+    version = make_version(make_model(world.a, "clf"), onnx_bytes)
+    sample(version, requests=2, rows=2, at=timezone.now())
+    assert tasks.roll_up_usage() == {"changed": 1, "budgets_stopped": 0}
+    assert UsageDay.objects.get().requests == 2
