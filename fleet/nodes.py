@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from monitoring import usage
 from platform_site.tokens import hash_token, new_token, token_matches, token_prefix
 from serving_agent.protocol import Hello, VersionStatus
 from tenants.audit import SYSTEM, Actor, audit
@@ -108,7 +109,10 @@ def open_session(node: Node, channel_name: str, hello: Hello) -> AgentSession:
 
 def record_heartbeat(session_id: int, node_id: int, stats: dict) -> None:
     now = timezone.now()
-    AgentSession.objects.filter(pk=session_id).update(stats=stats, last_heartbeat_at=now)
+    with transaction.atomic():
+        previous = AgentSession.objects.filter(pk=session_id).values_list("stats", flat=True)
+        usage.record_compute(previous.first() or {}, stats, now)  # compute since the last one
+        AgentSession.objects.filter(pk=session_id).update(stats=stats, last_heartbeat_at=now)
     Node.objects.filter(pk=node_id).update(last_seen_at=now)
 
 

@@ -173,6 +173,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         elif isinstance(message, VersionStatus):
             await self._status(message)
         elif isinstance(message, Heartbeat):
+            # An agent's claims count only for versions assigned to it: its compute is billed.
+            message.versions = [v for v in message.versions if v.version_id in self.ever_assigned]
             self.writes.heartbeat(
                 nodes.record_heartbeat,
                 self.session_id,

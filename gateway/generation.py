@@ -26,6 +26,7 @@ from .pipeline import (
     ApiError,
     Routed,
     Schedule,
+    check_budget,
     default_schedule,
     hold_in_flight,
     model_ref,
@@ -169,6 +170,10 @@ class Generation:
             await self.stream.cancel()
         self.state.pool.close_stream(self.stream)
         release_in_flight(self.state, self.identity)
+        # Usage: the prompt (the agent's count once done) and the tokens the client was sent.
+        self.state.traffic.tokens(
+            route.version_id, self.usage.input_tokens, self.usage.output_tokens, self.routed.counted
+        )
         uncharged = max(0, self.usage.input_tokens - self.charged)
         await self.state.streams.finish(
             self.identity, self.slot, self.usage.output_tokens + uncharged
@@ -240,6 +245,7 @@ async def _start(
     sched: Schedule,
 ) -> Generation:
     started = time.perf_counter()
+    check_budget(state, identity)
     # ``model_name`` may name an alias or a version: ``name@staging``, ``name@3``.
     name, version = model_ref(model_name)
     route = await resolve(state, identity, name, version)

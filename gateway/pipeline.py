@@ -44,6 +44,8 @@ from .state import GatewayState
 log = logging.getLogger(__name__)
 
 PREDICT = Scope.PREDICT.value  # every front door serves inference: the scope each call needs
+# A budget stop lasts until an approver's override or the next month: retrying soon is futile.
+BUDGET_RETRY_AFTER_S = 3600
 
 # Work that runs once the reply is sent (shadow copies).
 After = list[Coroutine[Any, Any, None]]
@@ -109,6 +111,14 @@ async def authenticate(state: GatewayState, authorization: str | None) -> KeyIde
     if PREDICT not in identity.scopes:
         raise ApiError(403, f"this API key lacks the '{PREDICT}' scope")
     return identity
+
+
+def check_budget(state: GatewayState, identity: KeyIdentity) -> None:
+    """429 naming the budget when the tenant's hard stop refuses new work (from the cached
+    set the refresh loop rereads every few seconds: no query)."""
+    stop = state.budget_stops.get(identity.tenant_id)
+    if stop is not None:
+        raise ApiError(429, stop, [("Retry-After", str(BUDGET_RETRY_AFTER_S))])
 
 
 async def rate_limit(state: GatewayState, identity: KeyIdentity) -> None:
@@ -438,6 +448,8 @@ async def run_inference(
     guardrails and SLOs: a 5xx is an error, a 4xx is not. ``counted=None`` counts nothing
     (shadow copies: they are no user's traffic and have their own ``ShadowSample`` rows).
     """
+    if identity is not None and counted is not None:  # a shadow copy is no new work
+        check_budget(state, identity)
     if sched is None:
         sched = default_schedule(state, identity)
     started = time.perf_counter()
@@ -479,7 +491,11 @@ async def run_inference(
         raise api_error(exc) from None
     status = 200 if isinstance(reply, InferResult) else status_of(reply)
     if counted is not None:
-        state.traffic.record(route.version_id, time.perf_counter() - started, status < 500, counted)
+        # Usage counts the rows answered: the batch dimension the signature check bounded.
+        rows = len(arrays[0]) if status == 200 and arrays and arrays[0].ndim else 0
+        state.traffic.record(
+            route.version_id, time.perf_counter() - started, status < 500, counted, rows
+        )
     _version_outcome(state, route, status, sched)
     if observed is not None:
         observed.mark("dispatch")

@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from fleet import coldstart, gateways, nodes
 from fleet.changes import read_generation
+from monitoring.budgets import stopped_tenants
 from monitoring.traffic import TrafficCounter, save_samples
 from rollouts.routing import Split, active_split
 from rollouts.shadow import record_shadow
@@ -93,6 +94,10 @@ class GatewayState:
         )
         # Shadow comparisons per plan: [copies answered, agreeing with the baseline, failed].
         self.shadow_stats: dict[int, list[int]] = {}
+        # Tenants whose budget's hard stop refuses new work, and what they are told: reread
+        # every SWITCHYARD_BUDGET_REFRESH_S, so a request costs a dict lookup, no query.
+        self.budget_stops: dict[int, str] = {}
+        self._budgets_read = 0.0
         self._generation: int | None = None
         self._key_use: dict[int, datetime] = {}
         self._last_flush = time.monotonic()
@@ -275,6 +280,9 @@ class GatewayState:
                 for consumer in list(self.agent_consumers):
                     await consumer.push_assignment()
         await self._refresh_agents()
+        if time.monotonic() - self._budgets_read >= settings.SWITCHYARD_BUDGET_REFRESH_S:
+            self._budgets_read = time.monotonic()
+            self.budget_stops = await db_call(stopped_tenants)()
         if time.monotonic() - self._gateways_checked > gateways.SEEN_EVERY_S:
             self._gateways_checked = time.monotonic()
             await self._refresh_gateways()

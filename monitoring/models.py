@@ -37,6 +37,11 @@ class TrafficSample(models.Model):
     # null for requests no plan routed (no plan, or a version asked for explicitly).
     plan_id = models.PositiveIntegerField(null=True, blank=True)
     arm = models.CharField(max_length=50, blank=True, default="")
+    # Usage: the rows (batch dimension) of the requests answered, and a generation's tokens in
+    # and out (``monitoring.usage`` rolls them up per day).
+    rows = models.PositiveBigIntegerField(default=0)
+    tokens_in = models.PositiveBigIntegerField(default=0)
+    tokens_out = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         db_table = "gateway_trafficsample"  # made by the gateway app, moved here with its rows
@@ -240,6 +245,28 @@ class UsageDay(models.Model):
 
     def __str__(self) -> str:
         return f"usage v{self.version_id} {self.day}: {self.requests} requests"
+
+
+class ComputeDay(models.Model):
+    """The compute one version took in one UTC day, as the agents measured it: the deltas of
+    their heartbeats' totals, added as each heartbeat is stored (``monitoring.usage``)."""
+
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="compute_days"
+    )
+    day = models.DateField(db_index=True)
+    cpu_s = models.FloatField(default=0.0)
+    accel_s = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["version", "day"], name="one_compute_row_per_version_day"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"compute v{self.version_id} {self.day}: {self.cpu_s:.3f} CPU-s"
 
 
 class Price(models.Model):

@@ -4,7 +4,7 @@ import httpx
 from celery import Task, shared_task
 from django.conf import settings
 
-from . import alerts, drift, prediction_log, slo
+from . import alerts, drift, prediction_log, slo, usage
 
 
 @shared_task
@@ -29,6 +29,13 @@ def evaluate_slos() -> dict[int, dict[str, str | None]]:
 def purge_prediction_logs() -> dict[str, int]:
     """Housekeeping: each model's logged predictions past its retention, and old feedback."""
     return prediction_log.purge_expired_logs()
+
+
+@shared_task
+def roll_up_usage() -> dict[str, int]:
+    """Today's and yesterday's usage from the traffic samples and heartbeats, priced; then
+    every budget against this month's spend (alerts, hard stops)."""
+    return usage.roll_up()
 
 
 @shared_task(bind=True, max_retries=5)

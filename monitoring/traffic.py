@@ -55,6 +55,10 @@ class Counts:
     requests: int = 0
     errors: int = 0
     degraded: int = 0  # errors a lower step of the model's fallback ladder answered
+    # Usage: rows of the requests answered (their batch dimension), generation tokens.
+    rows: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_MS) + 1))
     fine_slots: list[int] = field(default_factory=lambda: [0] * FINE_SLOTS)
 
@@ -80,24 +84,39 @@ class TrafficCounter:
     def __init__(self) -> None:
         self._counts: dict[CounterKey, Counts] = {}
 
-    def record(
-        self, version_id: int, seconds: float, ok: bool, counted: PlanArmKey = NO_PLAN
-    ) -> None:
-        """Count one request of the version, for the plan and arm that routed it (``counted``:
-        one tuple the caller already holds, so the key costs no unpacking)."""
+    def _for(self, version_id: int, counted: PlanArmKey) -> Counts:
         key = (version_id, counted)
         counts = self._counts.get(key)
         if counts is None:
             counts = self._counts[key] = Counts()
+        return counts
+
+    def record(
+        self,
+        version_id: int,
+        seconds: float,
+        ok: bool,
+        counted: PlanArmKey = NO_PLAN,
+        rows: int = 0,
+    ) -> None:
+        """Count one request of the version, for the plan and arm that routed it (``counted``:
+        one tuple the caller already holds, so the key costs no unpacking), and the ``rows``
+        it was answered for (0 when it was not answered)."""
+        counts = self._for(version_id, counted)
         counts.add(seconds, ok)
+        counts.rows += rows
+
+    def tokens(
+        self, version_id: int, tokens_in: int, tokens_out: int, counted: PlanArmKey = NO_PLAN
+    ) -> None:
+        """Count a generation's prompt and generated tokens (when its stream closes)."""
+        counts = self._for(version_id, counted)
+        counts.tokens_in += tokens_in
+        counts.tokens_out += tokens_out
 
     def degrade(self, version_id: int, counted: PlanArmKey = NO_PLAN) -> None:
         """The version's last failed request was answered by its model's fallback ladder."""
-        key = (version_id, counted)
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._counts[key] = Counts()
-        counts.degraded += 1
+        self._for(version_id, counted).degraded += 1
 
     def drain(self) -> dict[CounterKey, Counts]:
         counts, self._counts = self._counts, {}
@@ -117,6 +136,9 @@ def save_samples(counts: dict[CounterKey, Counts]) -> None:
             degraded=c.degraded,
             latency_buckets=c.buckets,
             latency_fine=c.fine,
+            rows=c.rows,
+            tokens_in=c.tokens_in,
+            tokens_out=c.tokens_out,
         )
         for (vid, (plan_id, arm)), c in counts.items()
     )

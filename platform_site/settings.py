@@ -530,3 +530,14 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
     "loggers": {"django.channels.server": {"level": "WARNING"}},
 }
+
+# Usage and budgets -------------------------------------------------------------------------
+# How often the beat task rolls today's and yesterday's usage up, prices it and evaluates the
+# budgets (seconds); and how often each gateway process rereads the tenants whose budget's
+# hard stop refuses new work (seconds: a stop or an override takes effect within this).
+SWITCHYARD_USAGE_ROLLUP_INTERVAL_S = env_float("SWITCHYARD_USAGE_ROLLUP_INTERVAL_S", 300)
+SWITCHYARD_BUDGET_REFRESH_S = env_float("SWITCHYARD_BUDGET_REFRESH_S", 2)
+CELERY_BEAT_SCHEDULE["roll-up-usage"] = {
+    "task": "monitoring.tasks.roll_up_usage",
+    "schedule": SWITCHYARD_USAGE_ROLLUP_INTERVAL_S,
+}

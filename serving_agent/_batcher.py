@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._compute import ComputeMeter, RunTotals
 from ._exceptions import BadInput, Cancelled, Expired, NotLoaded, Overloaded, OverShare
 from ._runtime import Runtime, check_output_rows
 from .protocol import BATCH_SIZE_BOUNDS, INTERACTIVE, PRIORITY_CLASSES, SHADOW
@@ -124,8 +125,14 @@ class Batcher:
         inline: bool = False,
         batch_sizes: BatchSizes | None = None,
         counts: SchedCounts | None = None,
+        meter: ComputeMeter | None = None,
     ) -> None:
         self.runtime = runtime
+        # This version's compute (the heartbeat's *_total fields), measured by the agent's
+        # one meter, which splits CPU time between the runs of every version in progress.
+        self.totals = RunTotals()
+        self.meter = meter if meter is not None else ComputeMeter()
+        self._provider = getattr(runtime, "provider", "")  # test fakes may name none
         self.max_batch_size = max_batch_size
         self.max_queue_delay_ms = max_queue_delay_ms
         self.max_queue = max_queue
@@ -400,15 +407,20 @@ class Batcher:
         rows = sum(p.rows for p in group)
         self._running = group
         started = time.perf_counter()
+        self.totals.queue_wait_s += sum(started - p.queued for p in group)
         try:
             feed = concatenate(group)
             self.runs += 1
             self.batch_sizes.add(rows)
-            if self._executor is None:
-                outputs = self.runtime.run(feed)
-            else:
-                loop = asyncio.get_running_loop()
-                outputs = await loop.run_in_executor(self._executor, self.runtime.run, feed)
+            run_started = self.meter.start(self.totals)
+            try:
+                if self._executor is None:
+                    outputs = self.runtime.run(feed)
+                else:
+                    loop = asyncio.get_running_loop()
+                    outputs = await loop.run_in_executor(self._executor, self.runtime.run, feed)
+            finally:
+                self.meter.stop(self.totals, run_started, rows, self._provider)
             check_output_rows(outputs, rows)
         except Exception as exc:  # noqa: BLE001 - whatever failed, every caller must hear it
             if not isinstance(exc, BadInput):

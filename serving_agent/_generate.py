@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from ._batcher import SchedCounts
+from ._compute import ComputeMeter, RunTotals
 from ._exceptions import BadInput, NotLoaded, Overloaded
 from ._generation_stats import GenerationStats
 from .protocol import (
@@ -220,6 +221,7 @@ class Engine:
         provider: str = "torch-cpu",
         threads: int = 1,
         counts: SchedCounts | None = None,
+        meter: ComputeMeter | None = None,
     ) -> None:
         # The byte model is wrapped; a Hugging Face model comes as its adapter.
         self.model: Decoder = ByteDecoder(model) if isinstance(model, TextGenModel) else model
@@ -227,6 +229,10 @@ class Engine:
         self.provider = provider
         self.stats = GenerationStats()
         self.counts = counts or SchedCounts()  # the agent shares one across its versions
+        # This version's compute: each step is a run whose rows are the streams it prefills
+        # or decodes (the agent replaces the meter with its one shared meter).
+        self.totals = RunTotals()
+        self.meter = meter or ComputeMeter()
         # Rows grow (doubling) with the streams actually admitted, never past max_streams.
         self.cache = self.model.new_cache(min(4, self.limits.max_streams))
         self._active: list[Stream] = []  # worker-owned: row i of the cache is _active[i]
@@ -403,12 +409,18 @@ class Engine:
         dropped, self._dropped = self._dropped, []
         await self._send(dropped)  # before the step: these callers need not wait for it
         loop = asyncio.get_running_loop()
+        rows = len(self._active) + len(admit)  # the worker is idle: its list is stable here
+        now = time.perf_counter()
+        self.totals.queue_wait_s += sum(now - stream.received for stream in admit)
+        run_started = self.meter.start(self.totals)
         try:
             out, finished = await loop.run_in_executor(self._executor, self._step, admit, cancel)
         except Exception as exc:  # noqa: BLE001 - every stream must hear the failure
             logger.exception("generation step failed")
             out, finished = self._fail_all(admit, exc), [*admit, *self._active]
             self._active = []
+        finally:
+            self.meter.stop(self.totals, run_started, rows, self.provider)
         for stream in finished:
             if self._live.get(stream.id) is stream:
                 del self._live[stream.id]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes, SchedCounts
 from ._cache import download_source
+from ._compute import ACCEL_PROVIDERS, ComputeMeter
 from ._exceptions import ChecksumMismatch
 from ._generation_stats import GenerationStats
 from ._memory import (
@@ -42,7 +43,6 @@ logger = logging.getLogger(__name__)
 # holds a copy of the weights plus its arena for activations, a textgen engine the weights plus
 # its KV cache. The real footprint is measured once it has loaded.
 NEED_PER_ARTIFACT_BYTE = 2
-_CUDA_PROVIDERS = {"CUDAExecutionProvider", "torch-cuda"}
 # The agent's modules that import torch, by the formats that need them.
 _TORCH_MODULES = {"textgen": "_generate", "hf": "_hf", "torch": "_torch"}
 
@@ -109,7 +109,7 @@ class VersionUsage:
 def measure_usage(before: Reading, after: Reading, provider: str, path: Path) -> VersionUsage:
     """A new version's usage from readings taken around its load and warm-up. A tiny model is
     lost in allocator noise, so it counts at least its artifact's size: never zero."""
-    on_cuda = provider in _CUDA_PROVIDERS
+    on_cuda = provider in ACCEL_PROVIDERS
     measured = max(0, after.minus(before, on_cuda))
     size = path.stat().st_size
     return VersionUsage(
@@ -215,6 +215,7 @@ class VersionSet:
         self.loaded: dict[int, Loaded | LoadedTextGen] = {}
         self.batch_sizes = BatchSizes()  # shared by every version's batcher
         self.sched_counts = SchedCounts()  # likewise
+        self.meter = ComputeMeter()  # likewise: it splits CPU time between concurrent runs
         # Generation counters of unloaded versions, so the heartbeat's totals never go back.
         self._generation_retired = GenerationStats()
         self._loading: dict[int, tuple[VersionSpec, asyncio.Task[None]]] = {}
@@ -355,6 +356,7 @@ class VersionSet:
             inline=latency < INLINE_BELOW_S,
             batch_sizes=self.batch_sizes,
             counts=self.sched_counts,
+            meter=self.meter,
         )
         self.loaded[version_id] = Loaded(spec, runtime, batcher, usage)
         logger.info(
@@ -389,6 +391,7 @@ class VersionSet:
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         engine.set_limits(spec.generation)
         engine.counts = self.sched_counts  # its drops are the agent's, as its batchers'
+        engine.meter = self.meter
         self.loaded[version_id] = LoadedTextGen(spec, engine, usage)
         logger.info(
             "version %d ready on %s (%s, warm-up generation %.1f ms, %s measured)",
@@ -540,6 +543,7 @@ class VersionSet:
 
     def version_load(self, loaded: Loaded | LoadedTextGen) -> VersionLoad:
         last_used = loaded.usage.last_used
+        totals = loaded.batcher.totals if isinstance(loaded, Loaded) else loaded.engine.totals
         return VersionLoad(
             version_id=loaded.spec.version_id,
             memory_bytes=loaded.usage.memory_bytes,
@@ -548,6 +552,12 @@ class VersionSet:
             requests_total=loaded.usage.requests_total,
             idle_s=None if last_used is None else time.monotonic() - last_used,
             load_s=round(loaded.usage.load_s, 4),
+            cpu_s_total=totals.cpu_s,
+            accel_s_total=totals.accel_s,
+            runs_total=totals.runs,
+            run_rows_total=totals.rows,
+            run_s_total=totals.run_s,
+            queue_wait_s_total=totals.queue_wait_s,
         )
 
     def memory_used(self) -> int:

@@ -8,6 +8,7 @@ from . import (
     monitoring_views,
     prediction_views,
     rightsizing_views,
+    usage_views,
     views,
 )
 
@@ -77,4 +78,10 @@ urlpatterns += [
     path("keys/create/", keys_views.create_key, name="key-create"),
     path("keys/<int:key_id>/revoke/", keys_views.revoke_key, name="key-revoke"),
     path("keys/<int:key_id>/rotate/", keys_views.rotate_key, name="key-rotate"),
+]
+
+# Usage, cost and the monthly budget (web.usage_views).
+urlpatterns += [
+    path("usage/", usage_views.usage_page, name="usage"),
+    path("usage/override/", usage_views.override_budget, name="budget-override"),
 ]

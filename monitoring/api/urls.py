@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import alerts, drift, feedback
+from . import alerts, drift, feedback, usage
 
 urlpatterns = [
     # Ground truth, the prediction log and online quality.
@@ -15,4 +15,10 @@ urlpatterns = [
     path("alerts/<int:alert_id>", alerts.AlertDetailView.as_view()),
     path("alerts/<int:alert_id>/resolve", alerts.AlertResolveView.as_view()),
     path("alert-settings", alerts.AlertSettingsView.as_view()),
+    # Usage and chargeback, prices, the monthly budget.
+    path("usage", usage.UsageView.as_view()),
+    path("usage/export", usage.UsageExportView.as_view()),
+    path("usage/prices", usage.PricesView.as_view()),
+    path("budget", usage.BudgetView.as_view()),
+    path("budget/override", usage.BudgetOverrideView.as_view()),
 ]

@@ -664,3 +664,17 @@ async def test_a_waiting_stream_cancelled_is_counted_and_never_run(
     await out.wait(0, 1)
     assert out.end(1).finish_reason == "cancelled" and out.end(1).output_tokens == 0
     assert engine.counts.cancelled == 1
+
+
+async def test_each_step_is_a_metered_run_whose_rows_are_its_streams(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, out = make_engine(), Collector()
+    engine.submit(request(1, "Call me", max_new_tokens=6), out)
+    engine.submit(request(2, "Ishmael", max_new_tokens=6), out)
+    await out.wait(1, 2)
+    totals = engine.totals
+    # Both streams decode together: about one run per token, most of them two rows wide.
+    assert 6 <= totals.runs <= 14 and totals.rows > totals.runs
+    assert totals.cpu_s > 0 and totals.run_s > 0 and totals.accel_s == 0.0
+    assert totals.queue_wait_s >= 0.0

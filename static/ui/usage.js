@@ -1,0 +1,70 @@
+// Usage page: cost per day stacked by model, and requests, rows, tokens and CPU-seconds per day,
+// from the series embedded in the page (monitoring.usage.chart_series).
+"use strict";
+
+const COLORS = ["#4c6ef5", "#f08c00", "#12b886", "#e64980", "#7950f2", "#868e96"];
+const UNITS = [
+  { field: "requests", label: "requests" },
+  { field: "rows", label: "rows" },
+  { field: "tokens_in", label: "tokens in" },
+  { field: "tokens_out", label: "tokens out" },
+  { field: "cpu_s", label: "CPU-seconds", axis: "y2" },
+];
+
+function layout(extra) {
+  return {
+    margin: { l: 50, r: 50, t: 6, b: 30 },
+    height: 230,
+    showlegend: true,
+    legend: { orientation: "h", y: -0.2 },
+    font: { family: "system-ui, sans-serif", size: 11 },
+    paper_bgcolor: "rgba(0,0,0,0)",
+    plot_bgcolor: "rgba(0,0,0,0)",
+    ...extra,
+  };
+}
+
+function sumOver(models, field, days) {
+  return days.map((_, i) => Object.values(models).reduce((acc, m) => acc + m[field][i], 0));
+}
+
+function drawUsage() {
+  const source = document.getElementById("usage-series");
+  if (!source || !window.Plotly) return;
+  const series = JSON.parse(source.textContent);
+  const names = Object.keys(series.models);
+  const cost = names.map((name, i) => ({
+    name,
+    type: "bar",
+    x: series.days,
+    y: series.models[name].cost,
+    marker: { color: COLORS[i % COLORS.length] },
+  }));
+  const config = { displayModeBar: false, responsive: true };
+  window.Plotly.react(
+    "cost-chart",
+    cost,
+    layout({ barmode: "stack", yaxis: { rangemode: "tozero", title: { text: "cost" } } }),
+    config
+  );
+  const units = UNITS.map((u, i) => ({
+    name: u.label,
+    type: "scatter",
+    mode: "lines+markers",
+    x: series.days,
+    y: sumOver(series.models, u.field, series.days),
+    yaxis: u.axis || "y",
+    line: { color: COLORS[i % COLORS.length], width: 2, dash: u.axis ? "dot" : "solid" },
+  }));
+  window.Plotly.react(
+    "units-chart",
+    units,
+    layout({
+      yaxis: { rangemode: "tozero", title: { text: "count" } },
+      yaxis2: { rangemode: "tozero", overlaying: "y", side: "right", title: { text: "CPU-s" } },
+    }),
+    config
+  );
+}
+
+document.addEventListener("DOMContentLoaded", drawUsage);
