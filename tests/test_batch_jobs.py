@@ -27,7 +27,7 @@ from batch import jobs
 from batch.models import Chunk, ChunkState, Job, JobState
 from tenants.keys import derive_raw_key, identify_key
 from tenants.models import ApiKey, AuditEvent, KeyPriority
-from tests.factories import as_user, key_client, make_key, make_model, make_version
+from tests.factories import as_user, key_client, make_key, make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 
 FEATURES = ["a", "b", "c", "d"]
@@ -529,3 +529,51 @@ def test_hostile_submissions_get_a_4xx_never_a_5xx(world, clf, rng):
         for fmt in ("jsonl", "csv", "parquet"):
             response = _submit(client, data, fmt)
             assert response.status_code < 500, (fmt, data[:20])
+
+
+def test_the_jobs_pages_list_submit_show_progress_and_act(world, clf):
+    engineer = as_user(world.engineer_a)
+    upload = io.BytesIO(_csv(_rows(12)))
+    upload.name = "rows.csv"
+    form = {"model": "clf", "format": "csv", "alias": "", "version": "", "file": upload}
+    response = engineer.post("/jobs/", form, format="multipart")
+    assert response.status_code == 302, response.content
+    job_id = Job.objects.get().pk
+    assert response["Location"] == f"/jobs/{job_id}/"
+    listing = engineer.get("/jobs/").content.decode()
+    assert f'data-job-id="{job_id}"' in listing and "<progress" in listing
+    assert 'href="/jobs/"' in listing  # the nav link
+
+    page = engineer.get(f"/jobs/{job_id}/").content.decode()
+    assert f'data-status-url="/jobs/{job_id}/status/"' in page and 'data-action="pause"' in page
+    status = engineer.get(f"/jobs/{job_id}/status/").json()
+    assert (status["state"], status["rows_total"], status["percent"]) == ("queued", 12, 0.0)
+    assert engineer.get(f"/jobs/{job_id}/output/").status_code == 409
+
+    assert engineer.post(f"/jobs/{job_id}/pause/").status_code == 302
+    assert Job.objects.get().state == JobState.PAUSED
+    assert engineer.post(f"/jobs/{job_id}/pause/").status_code == 409
+    assert engineer.post(f"/jobs/{job_id}/resume/").status_code == 302
+    _run(job_id, FrontDoor(clf))
+    assert engineer.get(f"/jobs/{job_id}/status/").json()["percent"] == 100.0
+    assert engineer.get(f"/jobs/{job_id}/output/").status_code == 200
+
+    viewer = as_user(world.viewer_a)
+    assert viewer.get(f"/jobs/{job_id}/").status_code == 200
+    assert 'data-action="pause"' not in viewer.get(f"/jobs/{job_id}/").content.decode()
+    assert viewer.post(f"/jobs/{job_id}/cancel/").status_code == 403
+    upload.seek(0)
+    assert viewer.post("/jobs/", form, format="multipart").status_code == 403
+    upload.seek(0)
+    bad = engineer.post("/jobs/", {**form, "format": "xml"}, format="multipart")
+    assert bad.status_code == 400 and "format" in bad.content.decode()
+
+
+def test_another_tenants_job_is_a_404_on_every_page(world, clf, django_user_model):
+    job_id = _submit(key_client(world.key_a), _jsonl(_rows(3))).json()["id"]
+    other = as_user(make_member(world.b, "eng-b", "engineer"), "beta")
+    for path in ("", "status/", "output/"):
+        assert other.get(f"/jobs/{job_id}/{path}").status_code == 404, path
+    for action in ("pause", "resume", "cancel"):
+        assert other.post(f"/jobs/{job_id}/{action}/").status_code == 404, action
+    assert f'data-job-id="{job_id}"' not in other.get("/jobs/").content.decode()

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import alias_views, keys_views, monitoring_views, prediction_views, views
+from . import alias_views, jobs_views, keys_views, monitoring_views, prediction_views, views
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -61,4 +61,13 @@ urlpatterns += [
     path("keys/create/", keys_views.create_key, name="key-create"),
     path("keys/<int:key_id>/revoke/", keys_views.revoke_key, name="key-revoke"),
     path("keys/<int:key_id>/rotate/", keys_views.rotate_key, name="key-rotate"),
+]
+
+# Batch jobs (web.jobs_views).
+urlpatterns += [
+    path("jobs/", jobs_views.jobs_list, name="jobs"),
+    path("jobs/<int:job_id>/", jobs_views.job_detail, name="job"),
+    path("jobs/<int:job_id>/status/", jobs_views.job_status, name="job-status"),
+    path("jobs/<int:job_id>/output/", jobs_views.job_output, name="job-output"),
+    path("jobs/<int:job_id>/<str:action>/", jobs_views.job_action, name="job-action"),
 ]
