@@ -7,6 +7,9 @@ beside a running job."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -204,3 +207,32 @@ def test_interactive_p99_beside_a_running_job_stays_within_its_bound(platform):
         client.post(f"/api/v1/jobs/{job_id}/cancel")
     assert still["state"] == "running", "the job ended before the measurement did"
     assert beside <= P99_FACTOR * alone + P99_SLACK_S, (alone, beside)
+
+
+def test_the_cli_submits_follows_and_downloads_a_job(platform, tmp_path):
+    rows = tmp_path / "rows.csv"
+    x = _rows(600, seed=3)
+    rows.write_text("a,b,c,d\n" + "".join(",".join(map(str, r)) + "\n" for r in x.tolist()))
+    env = {
+        **os.environ,
+        "SWITCHYARD_URL": platform.url,
+        "SWITCHYARD_KEY": platform.key,
+        "XDG_CONFIG_HOME": str(tmp_path),
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "switchyard_client.cli", "jobs", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+    submitted = cli("submit", "clf", str(rows), "--version", "1", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["id"]
+    waited = cli("status", str(job_id), "--wait", "--interval", "0.2")
+    assert waited.returncode == 0, waited.stderr
+    assert f"job {job_id} clf v1: succeeded 600/600 rows" in waited.stdout
+    assert f"job {job_id}" in cli("list").stdout
+    target = tmp_path / "out.jsonl"
+    assert cli("download", str(job_id), "-o", str(target)).returncode == 0
+    assert len(target.read_text().splitlines()) == 600
+    refused = cli("pause", str(job_id))
+    assert refused.returncode == 1 and "only a queued or running job" in refused.stderr
