@@ -155,10 +155,11 @@ def _value(value: object, signature: Signature, feature: str, from_text: bool) -
         return value
     dtype = np.dtype(OIP_TO_NUMPY[datatype])
     if from_text and isinstance(value, str):
+        text = value
         try:
-            value = float(value) if dtype.kind == "f" else int(value)
+            value = float(text) if dtype.kind == "f" else int(text)
         except ValueError:
-            raise RowError(f"{feature}: {value[:40]!r} is not a {datatype} number") from None
+            raise RowError(f"{feature}: {text[:40]!r} is not a {datatype} number") from None
     if signature.tabular:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RowError(f"{feature}: must be a number, not {type(value).__name__}")

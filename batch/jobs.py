@@ -201,9 +201,11 @@ class _opened:
     def __enter__(self) -> IO[bytes]:
         if self.upload is not None:
             self.upload.seek(0)
-            return self.upload.file  # type: ignore[return-value]
+            if self.upload.file is None:
+                raise Invalid("file", "the upload has no content")
+            return self.upload.file
         self.fh = default_storage.open(self.name or "", "rb")
-        return self.fh  # type: ignore[no-any-return]
+        return self.fh
 
     def __exit__(self, *exc: object) -> None:
         if self.fh is not None:
@@ -537,10 +539,10 @@ def progress(job: Job, now: datetime | None = None) -> Progress:
         .values_list("start_row", "end_row", "claimed_at", "finished_at")[:RECENT_CHUNKS]
     )
     rate = None
-    if recent:
-        rows = sum(end - start for start, end, _, _ in recent)
-        span = (max(r[3] for r in recent) - min(r[2] for r in recent)).total_seconds()
-        rate = rows / span if span > 0 else None
+    timed = [(end - start, began, ended) for start, end, began, ended in recent if began and ended]
+    if timed:
+        span = (max(t[2] for t in timed) - min(t[1] for t in timed)).total_seconds()
+        rate = sum(t[0] for t in timed) / span if span > 0 else None
     left = job.rows_total - job.rows_done
     eta = None
     if job.state in (JobState.QUEUED, JobState.RUNNING) and rate:
@@ -578,7 +580,7 @@ def output_file(job: Job) -> IO[bytes]:
     """The assembled output, once the job succeeded (409 before)."""
     if job.state != JobState.SUCCEEDED or not job.output_name:
         raise Conflict(f"the job is {job.state}; its output is ready once it has succeeded")
-    return default_storage.open(job.output_name, "rb")  # type: ignore[no-any-return]
+    return default_storage.open(job.output_name, "rb")
 
 
 def failed_rows(job: Job, limit: int = MAX_ERRORS_SHOWN) -> list[dict[str, Any]]:
