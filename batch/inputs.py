@@ -49,22 +49,33 @@ class RowError(ValueError):
     """A row that cannot be sent: the message names the feature."""
 
 
-def check_input(fh: IO[bytes], fmt: str, signature: Signature) -> int:
+def check_input(fh: IO[bytes], fmt: str, signature: Signature, every: int) -> tuple[int, list[int]]:
     """The number of rows of a whole input, after checking its format and its header (CSV) or
-    columns (Parquet) against the version's features; ``Invalid`` naming the problem."""
+    columns (Parquet) against the version's features (``Invalid`` naming the problem); and for
+    the text formats the byte offset of every ``every``-th row, where each chunk starts reading
+    (so a chunk never reads the rows before its own)."""
     if fmt == "parquet":
-        rows = _check_parquet(fh, signature)
-    elif fmt == "csv":
-        header = next(csv.reader(_lines(fh)), None)
+        return _check_parquet(fh, signature), []
+    lines = _Lines(fh)
+    records: Iterator[object] = lines
+    if fmt == "csv":
+        reader = csv.reader(lines)
+        header = next(reader, None)
         if header is None:
             raise Invalid("file", "the CSV file is empty (no header row)")
         _check_columns([h.strip() for h in header], signature, "CSV header")
-        rows = sum(1 for _ in csv.reader(_lines(fh)))
-    else:
-        rows = sum(1 for _ in _lines(fh))
+        records = reader
+    rows, offsets = 0, []
+    while True:
+        at = lines.position  # csv.reader pulls a line at a time, only as its record needs
+        if next(records, None) is None:
+            break
+        if rows % every == 0:
+            offsets.append(at)
+        rows += 1
     if rows == 0:
         raise Invalid("file", "the input has no rows")
-    return rows
+    return rows, offsets
 
 
 def _check_parquet(fh: IO[bytes], signature: Signature) -> int:
@@ -92,32 +103,60 @@ def _check_columns(columns: list[str], signature: Signature, what: str) -> None:
         )
 
 
-def _lines(fh: IO[bytes]) -> Iterator[str]:
-    """Text lines of a binary file; bytes that are not UTF-8 are replaced (and fail that row).
-    Line by line: UTF-8 never has a newline byte inside a character."""
-    for line in fh:
-        yield line.decode("utf-8", errors="replace")
+class _Lines:
+    """Text lines of a binary file, counting the bytes read (the next line's offset). Bytes
+    that are not UTF-8 are replaced (and fail that row); UTF-8 never has a newline byte inside
+    a character, so reading line by line is safe."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.position = fh.tell()
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        line = self.fh.readline()
+        if not line:
+            raise StopIteration
+        self.position += len(line)
+        return line.decode("utf-8", errors="replace")
 
 
-def read_rows(fh: IO[bytes], fmt: str, start: int, end: int) -> list[object]:
-    """Rows ``[start, end)`` as they are in the file: a dict of column to value for CSV and
-    Parquet, a JSON line's text for JSON Lines (parsed by ``convert_row``)."""
+def read_rows(fh: IO[bytes], fmt: str, start: int, end: int, offset: int | None) -> list[object]:
+    """Rows ``[start, end)`` as they are in the file (``offset``: where row ``start`` begins, for
+    the text formats): a dict of column to value for CSV and Parquet, a JSON line's text for
+    JSON Lines (parsed by ``convert_row``)."""
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.ParquetFile(fh).read().slice(start, end - start)
-        return list(table.to_pylist())
+        return _parquet_rows(fh, start, end)
     if fmt == "csv":
-        reader = csv.reader(_lines(fh))
-        header = [h.strip() for h in next(reader)]
+        header = [h.strip() for h in next(csv.reader(_Lines(fh)))]
+        fh.seek(offset or 0)
         rows: list[object] = []
-        for values in islice(reader, start, end):
+        for values in islice(csv.reader(_Lines(fh)), end - start):
             if len(values) != len(header):
                 rows.append(RowError(f"has {len(values)} fields; the header has {len(header)}"))
             else:
                 rows.append(dict(zip(header, values, strict=True)))
         return rows
-    return list(islice(_lines(fh), start, end))
+    fh.seek(offset or 0)
+    return list(islice(_Lines(fh), end - start))
+
+
+def _parquet_rows(fh: IO[bytes], start: int, end: int) -> list[object]:
+    """Only the row groups that hold rows ``[start, end)`` are read."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(fh)
+    groups, first, skip = [], 0, 0
+    for g in range(parquet.metadata.num_row_groups):
+        n = parquet.metadata.row_group(g).num_rows
+        if first < end and first + n > start:
+            if not groups:
+                skip = start - first
+            groups.append(g)
+        first += n
+    return list(parquet.read_row_groups(groups).slice(skip, end - start).to_pylist())
 
 
 def convert_row(raw: object, signature: Signature, from_text: bool) -> list[Any]:

@@ -112,8 +112,9 @@ def submit_job(
     limit = int(settings.SWITCHYARD_BATCH_MAX_INPUT_BYTES)
     if (size or 0) > limit:
         raise TooLarge("file", f"the input is larger than {limit} bytes")
+    chunk_rows = max(1, int(settings.SWITCHYARD_BATCH_CHUNK_ROWS))
     with _opened(upload, input_name) as fh:
-        rows = check_input(fh, fmt, signature)
+        rows, offsets = check_input(fh, fmt, signature, chunk_rows)
     if rows > int(settings.SWITCHYARD_BATCH_MAX_ROWS):
         raise Invalid("file", f"the input has more than {settings.SWITCHYARD_BATCH_MAX_ROWS} rows")
     with transaction.atomic():
@@ -141,7 +142,7 @@ def submit_job(
             scopes=(Scope.PREDICT,),
         )
         job.save(update_fields=["input_name", "api_key"])
-        plan_chunks(job)
+        plan_chunks(job, chunk_rows, offsets)
         after = {
             "model": found.model.name,
             "version": found.version,
@@ -156,11 +157,17 @@ def submit_job(
     return job
 
 
-def plan_chunks(job: Job) -> list[Chunk]:
-    """Chunks of ``SWITCHYARD_BATCH_CHUNK_ROWS`` rows covering the input once, in order."""
-    size = max(1, int(settings.SWITCHYARD_BATCH_CHUNK_ROWS))
+def plan_chunks(job: Job, size: int, offsets: list[int] | None = None) -> list[Chunk]:
+    """Chunks of ``size`` rows covering the input once, in order (``offsets``: where each
+    begins in a text input)."""
     chunks = [
-        Chunk(job=job, index=i, start_row=start, end_row=min(start + size, job.rows_total))
+        Chunk(
+            job=job,
+            index=i,
+            start_row=start,
+            end_row=min(start + size, job.rows_total),
+            start_byte=offsets[i] if offsets else None,
+        )
         for i, start in enumerate(range(0, job.rows_total, size))
     ]
     return Chunk.objects.bulk_create(chunks)
@@ -270,7 +277,7 @@ def run_chunk(chunk: Chunk, client: httpx.Client | None = None) -> None:
     job = Job.objects.select_related("version", "api_key", "tenant").get(pk=chunk.job_id)
     signature = Signature.of(job.version)
     with default_storage.open(job.input_name, "rb") as fh:
-        raw_rows = read_rows(fh, job.input_format, chunk.start_row, chunk.end_row)
+        raw_rows = read_rows(fh, job.input_format, chunk.start_row, chunk.end_row, chunk.start_byte)
     from_text = job.input_format == InputFormat.CSV
     outcomes: list[Outcome] = []
     ready: list[tuple[int, list[Any]]] = []

@@ -86,6 +86,8 @@ class Chunk(models.Model):
     index = models.PositiveIntegerField()
     start_row = models.PositiveIntegerField()
     end_row = models.PositiveIntegerField()
+    # Where row ``start_row`` begins in a text input (JSON Lines, CSV); None for Parquet.
+    start_byte = models.BigIntegerField(null=True, blank=True)
     state = models.CharField(max_length=10, choices=ChunkState.choices, default=ChunkState.PENDING)
     attempts = models.PositiveIntegerField(default=0)
     claimed_at = models.DateTimeField(null=True, blank=True)

@@ -190,6 +190,37 @@ def test_chunks_cover_the_input_once_in_order(world, clf, batch_settings):
     job_id = _submit(key_client(world.key_a), _jsonl(_rows(23))).json()["id"]
     ranges = list(Chunk.objects.filter(job_id=job_id).values_list("index", "start_row", "end_row"))
     assert ranges == [(0, 0, 7), (1, 7, 14), (2, 14, 21), (3, 21, 23)]
+    # Each chunk starts reading at its own first row, never reading the rows before it.
+    data = _jsonl(_rows(23))
+    starts = Chunk.objects.filter(job_id=job_id).values_list("start_byte", flat=True)
+    assert list(starts) == [
+        len(b"".join(data.splitlines(keepends=True)[:n])) for n in (0, 7, 14, 21)
+    ]
+
+
+def test_parquet_row_groups_and_csv_quoted_newlines_split_into_chunks_exactly(
+    world, clf, batch_settings
+):
+    batch_settings.SWITCHYARD_BATCH_CHUNK_ROWS = 4
+    x = _rows(11)
+    out = io.BytesIO()
+    pq.write_table(pa.table({f: x[:, i] for i, f in enumerate(FEATURES)}), out, row_group_size=3)
+    client = key_client(world.key_a)
+    job_id = _submit(client, out.getvalue(), "parquet").json()["id"]
+    _run(job_id, FrontDoor(clf))
+    got = np.array([line["outputs"]["y"] for line in _output(client, job_id)], np.float32)
+    np.testing.assert_allclose(got, _expected(clf, x), rtol=1e-5, atol=1e-6)
+
+    # A quoted cell holding a newline is one field of one row (and fails as a number).
+    lines = _csv(x).decode().splitlines()
+    lines[5] = '"1\n2",0,0,0'
+    job_id = _submit(client, ("\n".join(lines) + "\n").encode(), "csv").json()["id"]
+    _run(job_id, FrontDoor(clf))
+    job = Job.objects.get(pk=job_id)
+    assert (job.rows_total, job.rows_done, job.rows_failed) == (11, 11, 1)
+    errors = client.get(f"/api/v1/jobs/{job_id}/errors").json()["errors"]
+    assert [e["row"] for e in errors] == [4] and errors[0]["error"].startswith("a: '1\\n2'")
+    assert [line["row"] for line in _output(client, job_id)] == [r for r in range(11) if r != 4]
 
 
 def test_bad_rows_are_reported_and_the_job_still_succeeds(world, clf):
