@@ -146,28 +146,15 @@ def create_derived_key(
     """A key whose secret is derived from ``SECRET_KEY`` and ``context`` (e.g.
     ``"switchyard-batch-job:42"``) instead of drawn at random, for a worker of the platform's
     own that acts with it later (``derive_raw_key``): nothing but its hash is stored, as for
-    every key, and it is audited like every key."""
-    scope_list = clean_scopes(scopes)
-    prefix, _ = new_token(KEY_KIND)
-    raw = _derived_token(context, prefix)
+    every key, and it is created and audited as every key is."""
     with transaction.atomic():
-        key = ApiKey.objects.create(
-            tenant=tenant,
-            name=name,
-            prefix=prefix,
-            key_hash=hash_token(raw),
-            created_by_id=actor.user_id,
-            priority=priority,
-            scopes=scope_list,
+        # The random secret create_api_key draws is never shown: its hash is replaced by the
+        # derived one's in the same transaction, so no other secret ever opens the key.
+        key, _ = create_api_key(
+            tenant, name, actor, priority=priority, scopes=scopes, reason="derived secret"
         )
-        after = {
-            "name": name,
-            "prefix": prefix,
-            "scopes": scope_list,
-            "priority": KeyPriority(priority).label,
-            "derived": True,
-        }
-        audit(tenant.pk, actor, "key.create", _target(key), after=after)
+        key.key_hash = hash_token(_derived_token(context, key.prefix))
+        key.save(update_fields=["key_hash"])
     return key
 
 
