@@ -148,7 +148,8 @@ def _parquet_rows(fh: IO[bytes], start: int, end: int) -> list[object]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(fh)
-    groups, first, skip = [], 0, 0
+    groups: list[int] = []
+    first, skip = 0, 0
     for g in range(parquet.metadata.num_row_groups):
         n = parquet.metadata.row_group(g).num_rows
         if first < end and first + n > start:
