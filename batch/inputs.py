@@ -56,6 +56,13 @@ def check_input(fh: IO[bytes], fmt: str, signature: Signature, every: int) -> tu
     (so a chunk never reads the rows before its own)."""
     if fmt == "parquet":
         return _check_parquet(fh, signature), []
+    try:
+        return _check_text(fh, fmt, signature, every)
+    except csv.Error as exc:  # a field past csv's size limit, a quote left open at the end
+        raise Invalid("file", f"not a readable CSV file ({str(exc)[:200]})") from None
+
+
+def _check_text(fh: IO[bytes], fmt: str, signature: Signature, every: int) -> tuple[int, list[int]]:
     lines = _Lines(fh)
     records: Iterator[object] = lines
     if fmt == "csv":

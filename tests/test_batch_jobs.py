@@ -270,6 +270,7 @@ BAD_SUBMISSIONS = [
     ({"format": "csv"}, b"a,b,c,d\n", 400, "no rows"),
     ({"format": "jsonl"}, b"", 400, "no rows"),
     ({"format": "parquet"}, b"PAR1 but not really", 400, "not a Parquet file"),
+    ({"format": "csv"}, b"a,b,c,d\n" + b"1" * 200_000 + b",1,1,1\n", 400, "not a readable CSV"),
     ({"version": 9}, _jsonl(_rows(1)), 404, "no version 9"),
     ({"alias": "staging"}, _jsonl(_rows(1)), 404, "no alias"),
     ({"alias": "production", "version": 1}, _jsonl(_rows(1)), 400, "not both"),
