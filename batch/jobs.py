@@ -21,7 +21,8 @@ from django.core.files import File
 from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import UploadedFile
 from django.db import connection, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import F, Q, QuerySet, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from platform_site.errors import Conflict, Invalid, NotFound, TooLarge
@@ -539,14 +540,31 @@ class Progress:
 
 
 def progress(job: Job, now: datetime | None = None) -> Progress:
+    return progress_of([job], now)[job.pk]
+
+
+def progress_of(listed: list[Job], now: datetime | None = None) -> dict[int, Progress]:
+    """Each job's progress, from one query over the jobs' last ``RECENT_CHUNKS`` done chunks."""
     now = now or timezone.now()
-    recent = list(
-        job.chunks.filter(state=ChunkState.DONE, finished_at__isnull=False)
-        .order_by("-finished_at")
-        .values_list("start_row", "end_row", "claimed_at", "finished_at")[:RECENT_CHUNKS]
+    recent = (
+        Chunk.objects.filter(
+            job_id__in=[j.pk for j in listed], state=ChunkState.DONE, finished_at__isnull=False
+        )
+        .annotate(
+            nth=Window(RowNumber(), partition_by=[F("job_id")], order_by=F("finished_at").desc())
+        )
+        .filter(nth__lte=RECENT_CHUNKS)
+        .values_list("job_id", "start_row", "end_row", "claimed_at", "finished_at")
     )
+    timed: dict[int, list[tuple[int, datetime, datetime]]] = {}
+    for job_id, start, end, began, ended in recent:
+        if began and ended:
+            timed.setdefault(job_id, []).append((end - start, began, ended))
+    return {job.pk: _progress(job, timed.get(job.pk, []), now) for job in listed}
+
+
+def _progress(job: Job, timed: list[tuple[int, datetime, datetime]], now: datetime) -> Progress:
     rate = None
-    timed = [(end - start, began, ended) for start, end, began, ended in recent if began and ended]
     if timed:
         span = (max(t[2] for t in timed) - min(t[1] for t in timed)).total_seconds()
         rate = sum(t[0] for t in timed) / span if span > 0 else None

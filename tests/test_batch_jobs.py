@@ -466,7 +466,7 @@ def test_the_derived_key_is_stored_as_a_hash_rederived_and_revoked_at_the_end(wo
     assert AuditEvent.objects.filter(action="key.revoke", target__contains=f"batch job {job_id}")
 
 
-def test_rate_eta_and_the_deadline_verdict(world, clf):
+def test_rate_eta_and_the_deadline_verdict(world, clf, django_assert_max_num_queries):
     deadline = timezone.now() + timedelta(minutes=10)
     job_id = _submit(
         key_client(world.key_a), _jsonl(_rows(100)), deadline=deadline.isoformat()
@@ -493,6 +493,11 @@ def test_rate_eta_and_the_deadline_verdict(world, clf):
     assert jobs.progress(job, now).eta_s is None
     body = key_client(world.key_a).get(f"/api/v1/jobs/{job_id}").json()
     assert body["progress"]["rows_per_s"] is not None and body["deadline"]
+    # The list reads every job's progress in one query, whatever the number of jobs.
+    _submit(key_client(world.key_a), _jsonl(_rows(3)))
+    with django_assert_max_num_queries(8):
+        listed = key_client(world.key_a).get("/api/v1/jobs").json()
+    assert [j["progress"]["rows_per_s"] for j in listed] == [None, 5.0]
 
 
 def test_roles_and_scopes(world, clf):

@@ -44,7 +44,9 @@ def _status(job: Job) -> dict[str, Any]:
 
 def _jobs_page(request: TenantRequest, status: int = 200, error: str = "") -> HttpResponse:
     tenant_id = request.membership.tenant_id
-    listed = [(job, jobs.progress(job)) for job in jobs.jobs_of(tenant_id)[:100]]
+    found = list(jobs.jobs_of(tenant_id)[:100])
+    known = jobs.progress_of(found)
+    listed = [(job, known[job.pk]) for job in found]
     context = {
         "jobs": listed,
         "models": models_of(tenant_id).order_by("name"),

@@ -40,8 +40,9 @@ class JobListView(APIView):
 
     @extend_schema(responses=JobSerializer(many=True))
     def get(self, request: CallerRequest) -> Response:
-        found = jobs.jobs_of(request.caller.tenant_id)[:LIST_LIMIT]
-        return Response(JobSerializer(found, many=True).data)
+        found = list(jobs.jobs_of(request.caller.tenant_id)[:LIST_LIMIT])
+        context = {"progress": jobs.progress_of(found)}
+        return Response(JobSerializer(found, many=True, context=context).data)
 
     @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
     def post(self, request: CallerRequest) -> Response:
