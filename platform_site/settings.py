@@ -541,3 +541,29 @@ CELERY_BEAT_SCHEDULE["roll-up-usage"] = {
     "task": "monitoring.tasks.roll_up_usage",
     "schedule": SWITCHYARD_USAGE_ROLLUP_INTERVAL_S,
 }
+
+# Batch jobs --------------------------------------------------------------------------------
+# Rows per chunk (the unit claimed, redone after a worker dies, and written to storage).
+SWITCHYARD_BATCH_CHUNK_ROWS = env_int("SWITCHYARD_BATCH_CHUNK_ROWS", 1000)
+# Rows per inference request a chunk sends, and how many of its requests are in flight.
+SWITCHYARD_BATCH_REQUEST_ROWS = env_int("SWITCHYARD_BATCH_REQUEST_ROWS", 100)
+SWITCHYARD_BATCH_IN_FLIGHT = env_int("SWITCHYARD_BATCH_IN_FLIGHT", 2)
+# Chunks of one job worked on at once (by as many Celery workers).
+SWITCHYARD_BATCH_PARALLEL_CHUNKS = env_int("SWITCHYARD_BATCH_PARALLEL_CHUNKS", 1)
+# A running chunk's worker renews its lease after each round of requests; a chunk whose lease
+# runs out (its worker died) is claimed again and redone.
+SWITCHYARD_BATCH_LEASE_S = env_float("SWITCHYARD_BATCH_LEASE_S", 60)
+SWITCHYARD_BATCH_MAX_ATTEMPTS = env_int("SWITCHYARD_BATCH_MAX_ATTEMPTS", 5)
+# Retries of one request through 429/5xx and connection errors before the chunk is given back.
+SWITCHYARD_BATCH_RETRIES = env_int("SWITCHYARD_BATCH_RETRIES", 8)
+SWITCHYARD_BATCH_REQUEST_TIMEOUT_S = env_float("SWITCHYARD_BATCH_REQUEST_TIMEOUT_S", 120)
+# The largest input (413 past it) and the most rows (400 past it).
+SWITCHYARD_BATCH_MAX_INPUT_BYTES = env_int("SWITCHYARD_BATCH_MAX_INPUT_BYTES", 512 * 1024 * 1024)
+SWITCHYARD_BATCH_MAX_ROWS = env_int("SWITCHYARD_BATCH_MAX_ROWS", 10_000_000)
+# Where in storage a tenant's inputs given by name must lie ({tenant}: its slug).
+SWITCHYARD_BATCH_INPUT_PREFIX = env("SWITCHYARD_BATCH_INPUT_PREFIX", "batch-inputs/{tenant}/")
+SWITCHYARD_BATCH_REAP_INTERVAL_S = env_float("SWITCHYARD_BATCH_REAP_INTERVAL_S", 10)
+CELERY_BEAT_SCHEDULE["reap-stalled-batch-jobs"] = {
+    "task": "batch.tasks.reap_stalled_jobs",
+    "schedule": SWITCHYARD_BATCH_REAP_INTERVAL_S,
+}

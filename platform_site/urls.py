@@ -51,6 +51,7 @@ urlpatterns = [
     path("api/v1/", include("rollouts.api.urls")),
     path("api/v1/", include("tenants.api.urls")),
     path("api/v1/", include("fleet.api.urls")),
+    path("api/v1/", include("batch.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     # OpenAI-compatible text generation (base URL http://HOST/v1 for OpenAI clients).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,131 @@ def keys_revoke(key_id: int, as_json: bool) -> None:
     with client() as c:
         revoked = c.revoke_key(key_id)
     emit(as_json, revoked, f"key {key_id} revoked")
+
+
+@cli.group()
+def jobs() -> None:
+    """Batch inference jobs: submit an input file, follow it, download its output."""
+
+
+@jobs.command("submit")
+@click.argument("model")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--alias", default=None, help="the alias to run (default: production)")
+@click.option("--version", "version", type=int, default=None, help="a version instead")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "csv", "parquet"]),
+    default=None,
+    help="the input's format (default: from the file's extension)",
+)
+@click.option("--deadline", default=None, help="ISO 8601, e.g. 2026-12-01T08:00:00Z")
+@json_option
+def jobs_submit(
+    model: str,
+    file: str,
+    alias: str | None,
+    version: int | None,
+    fmt: str | None,
+    deadline: str | None,
+    as_json: bool,
+) -> None:
+    """Submit FILE as a batch job against MODEL."""
+    if alias and version is not None:
+        raise click.UsageError("give --alias or --version, not both")
+    fmt = fmt or Path(file).suffix.lstrip(".").lower()
+    if fmt not in ("jsonl", "csv", "parquet"):
+        raise click.UsageError("give --format (jsonl, csv or parquet)")
+    with client() as c:
+        job = c.submit_job(model, file, fmt, alias, version, deadline)
+    emit(as_json, job, f"job {job['id']} submitted: {job['rows_total']} rows")
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    p = job["progress"]
+    rate = f", {p['rows_per_s']} rows/s" if p["rows_per_s"] else ""
+    eta = f", ETA {p['eta_s']} s" if p["eta_s"] else ""
+    deadline = ""
+    if job["deadline"]:
+        verdict = {True: "on time", False: "late", None: "unknown"}[p["on_time"]]
+        deadline = f", deadline {job['deadline']} ({verdict})"
+    return (
+        f"job {job['id']} {job['model']} v{job['version']}: {job['state']} "
+        f"{job['rows_done']}/{job['rows_total']} rows ({job['rows_failed']} failed){rate}{eta}"
+        f"{deadline}"
+    )
+
+
+@jobs.command("list")
+@json_option
+def jobs_list(as_json: bool) -> None:
+    with client() as c:
+        found = c.list_jobs()
+    emit(as_json, found, "\n".join(_job_line(j) for j in found) or "no jobs")
+
+
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+@jobs.command("status")
+@click.argument("job_id", type=int)
+@click.option("--wait", is_flag=True, help="follow the job with a progress bar until it ends")
+@click.option("--interval", type=float, default=1.0, help="seconds between polls with --wait")
+@json_option
+def jobs_status(job_id: int, wait: bool, interval: float, as_json: bool) -> None:
+    with client() as c:
+        job = c.get_job(job_id)
+        if wait and job["state"] not in ENDED:
+            with tqdm(total=job["rows_total"], unit="rows", disable=as_json) as bar:
+                while True:
+                    bar.update(job["rows_done"] - bar.n)
+                    if job["state"] in ENDED:
+                        break
+                    time.sleep(interval)
+                    job = c.get_job(job_id)
+    emit(as_json, job, _job_line(job))
+    if wait and job["state"] != "succeeded":
+        sys.exit(1)
+
+
+def _action(job_id: int, action: str, as_json: bool) -> None:
+    with client() as c:
+        job = c.job_action(job_id, action)
+    emit(as_json, job, _job_line(job))
+
+
+@jobs.command("pause")
+@click.argument("job_id", type=int)
+@json_option
+def jobs_pause(job_id: int, as_json: bool) -> None:
+    """No new chunk starts; the running ones finish."""
+    _action(job_id, "pause", as_json)
+
+
+@jobs.command("resume")
+@click.argument("job_id", type=int)
+@json_option
+def jobs_resume(job_id: int, as_json: bool) -> None:
+    _action(job_id, "resume", as_json)
+
+
+@jobs.command("cancel")
+@click.argument("job_id", type=int)
+@json_option
+def jobs_cancel(job_id: int, as_json: bool) -> None:
+    _action(job_id, "cancel", as_json)
+
+
+@jobs.command("download")
+@click.argument("job_id", type=int)
+@click.option("-o", "--output", "target", required=True, type=click.Path(dir_okay=False))
+@json_option
+def jobs_download(job_id: int, target: str, as_json: bool) -> None:
+    """Save a succeeded job's output (JSON Lines: row number and outputs) to a file."""
+    with client() as c:
+        size = c.download_job_output(job_id, target)
+    emit(as_json, {"path": target, "bytes": size}, f"saved {size} bytes to {target}")
 
 
 def main() -> None:

@@ -129,6 +129,55 @@ class Client:
             reader.close()
         return pushed
 
+    # batch jobs
+    def submit_job(
+        self,
+        model: str,
+        path: str | Path,
+        fmt: str,
+        alias: str | None = None,
+        version: int | None = None,
+        deadline: str | None = None,
+    ) -> JSON:
+        """Upload an input file (jsonl, csv or parquet) as a batch job against ``model``."""
+        data = {"model": model, "format": fmt}
+        for name, value in (("alias", alias), ("version", version), ("deadline", deadline)):
+            if value is not None:
+                data[name] = str(value)
+        with open(path, "rb") as fh:
+            files = {"file": (Path(path).name, fh, "application/octet-stream")}
+            submitted: JSON = self._call("POST", "/api/v1/jobs", files=files, data=data)
+        return submitted
+
+    def list_jobs(self) -> list[JSON]:
+        return list(self._call("GET", "/api/v1/jobs"))
+
+    def get_job(self, job_id: int) -> JSON:
+        found: JSON = self._call("GET", f"/api/v1/jobs/{job_id}")
+        return found
+
+    def job_action(self, job_id: int, action: str) -> JSON:
+        """``pause``, ``resume`` or ``cancel``."""
+        changed: JSON = self._call("POST", f"/api/v1/jobs/{job_id}/{action}")
+        return changed
+
+    def job_errors(self, job_id: int) -> JSON:
+        found: JSON = self._call("GET", f"/api/v1/jobs/{job_id}/errors")
+        return found
+
+    def download_job_output(self, job_id: int, target: str | Path) -> int:
+        """Stream a succeeded job's output (JSON Lines) to ``target``; the bytes written."""
+        written = 0
+        with self._http.stream("GET", f"/api/v1/jobs/{job_id}/output") as response:
+            if response.status_code >= 400:
+                response.read()
+                raise SwitchyardError(response.status_code, _message(response))
+            with open(target, "wb") as out:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+                    written += len(chunk)
+        return written
+
     # aliases, approvals and rollouts
     def set_alias(self, model: str, alias: str, version: int, comment: str = "") -> JSON:
         """Move an alias. Moving ``production`` once it exists opens an approval request

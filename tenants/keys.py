@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -129,6 +133,43 @@ def create_key_like(
         expires_at=expires_at,
         reason=reason,
     )
+
+
+def create_derived_key(
+    tenant: Tenant,
+    name: str,
+    context: str,
+    actor: Actor = SYSTEM,
+    priority: int = KeyPriority.INTERACTIVE,
+    scopes: Iterable[str] = (Scope.PREDICT,),
+) -> ApiKey:
+    """A key whose secret is derived from ``SECRET_KEY`` and ``context`` (e.g.
+    ``"switchyard-batch-job:42"``) instead of drawn at random, for a worker of the platform's
+    own that acts with it later (``derive_raw_key``): nothing but its hash is stored, as for
+    every key, and it is created and audited as every key is."""
+    with transaction.atomic():
+        # The random secret create_api_key draws is never shown: its hash is replaced by the
+        # derived one's in the same transaction, so no other secret ever opens the key.
+        key, _ = create_api_key(
+            tenant, name, actor, priority=priority, scopes=scopes, reason="derived secret"
+        )
+        key.key_hash = hash_token(_derived_token(context, key.prefix))
+        key.save(update_fields=["key_hash"])
+    return key
+
+
+def derive_raw_key(key: ApiKey, context: str) -> str:
+    """The raw value of a key made by ``create_derived_key`` with the same ``context``."""
+    return _derived_token(context, key.prefix)
+
+
+def _derived_token(context: str, prefix: str) -> str:
+    digest = hmac.new(
+        settings.SECRET_KEY.encode(), f"{context}:{prefix}".encode(), hashlib.sha256
+    ).digest()
+    # The token format splits on "_": the secret, like new_token's, has none.
+    secret = base64.urlsafe_b64encode(digest).decode().rstrip("=").replace("_", "x")
+    return f"{KEY_KIND}_{prefix}_{secret}"
 
 
 def rotate_api_key(

@@ -4,6 +4,7 @@ from django.urls import path
 
 from . import (
     alias_views,
+    jobs_views,
     keys_views,
     monitoring_views,
     prediction_views,
@@ -84,4 +85,13 @@ urlpatterns += [
 urlpatterns += [
     path("usage/", usage_views.usage_page, name="usage"),
     path("usage/override/", usage_views.override_budget, name="budget-override"),
+]
+
+# Batch jobs (web.jobs_views).
+urlpatterns += [
+    path("jobs/", jobs_views.jobs_list, name="jobs"),
+    path("jobs/<int:job_id>/", jobs_views.job_detail, name="job"),
+    path("jobs/<int:job_id>/status/", jobs_views.job_status, name="job-status"),
+    path("jobs/<int:job_id>/output/", jobs_views.job_output, name="job-output"),
+    path("jobs/<int:job_id>/<str:action>/", jobs_views.job_action, name="job-action"),
 ]
