@@ -401,6 +401,12 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON through orjson (a body nested too deep is a 400, where DRF's parser raised a 500).
+    "DEFAULT_PARSER_CLASSES": [
+        "platform_site.parsers.JSONBodyParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_SCHEMA_CLASS": "platform_site.api.ApiSchema",
     "EXCEPTION_HANDLER": "platform_site.errors.api_exception_handler",
     "UNAUTHENTICATED_USER": None,

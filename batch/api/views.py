@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 from django.http import FileResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.exceptions import ParseError, ValidationError
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.exceptions import ValidationError
+from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
+from platform_site.parsers import JSONBodyParser
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 from tenants.models import Tenant
 
@@ -23,20 +21,9 @@ from .serializers import JobSerializer, JobSubmitSerializer
 LIST_LIMIT = 200
 
 
-class SafeJSONParser(JSONParser):
-    """JSON read with orjson, which refuses nesting past its depth limit where the stdlib's
-    parser (DRF's) recursed until RecursionError, a 500."""
-
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
-        try:
-            return orjson.loads(stream.read() if stream is not None else b"")
-        except orjson.JSONDecodeError as exc:
-            raise ParseError(f"JSON parse error - {exc}") from None
-
-
 class JobListView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [MultiPartParser, SafeJSONParser]
+    parser_classes = [MultiPartParser, JSONBodyParser]
 
     @extend_schema(responses=JobSerializer(many=True))
     def get(self, request: CallerRequest) -> Response:
@@ -75,7 +62,7 @@ class JobActionView(APIView):
     """``pause``, ``resume`` or ``cancel`` (a write: engineers, approvers, deploy-scoped keys)."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [SafeJSONParser]
+    parser_classes = [JSONBodyParser]
     action_name = ""
 
     @extend_schema(request=None, responses=JobSerializer)

@@ -14,12 +14,12 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound
-from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.parsers import JSONBodyParser
 from platform_site.tokens import bearer
 from registry.access import model_for
 from registry.models import ModelVersion
@@ -53,7 +53,7 @@ from .serializers import (
 
 class DeploymentListView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=DeploymentSerializer(many=True))
     def get(self, request: CallerRequest) -> Response:
@@ -76,7 +76,7 @@ class DeploymentListView(APIView):
 
 class DeploymentDetailView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=DeploymentSerializer)
     def get(self, request: CallerRequest, deployment_id: int) -> Response:

@@ -11,12 +11,12 @@ from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied
-from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
+from platform_site.parsers import JSONBodyParser
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 from tenants.models import WRITE_ROLES, Tenant
 
@@ -115,7 +115,7 @@ class AlertResolveView(APIView):
     raised again by its job's next run, as a new alert."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=ResolveSerializer, responses=AlertSerializer)
     def post(self, request: CallerRequest, alert_id: int) -> Response:
@@ -129,7 +129,7 @@ class AlertSettingsView(APIView):
     """The tenant's alert webhook. Engineers and approvers only, reading included."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # checks TenantRolePermission: sets the caller

@@ -8,11 +8,11 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
+from platform_site.parsers import JSONBodyParser
 from registry.access import model_for, version_for
 from registry.api.serializers import ReferenceUploadSerializer
 from registry.models import ReferenceSample
@@ -110,7 +110,7 @@ class ReferenceView(APIView):
     of its logged predictions (POST). Either write replaces the reference and is audited."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(summary="The version's drift reference", responses=ReferenceSerializer)
     def get(self, request: CallerRequest, name: str, version: int) -> Response:

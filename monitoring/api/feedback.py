@@ -10,10 +10,10 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.models import Model
 from tenants.authentication import CallerRequest, TenantRolePermission
@@ -92,7 +92,7 @@ class FeedbackView(APIView):
     permission_classes = [TenantRolePermission]
     # Labels are data an application sends beside its predictions, with its inference key.
     write_scope = "predict"
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(
         request=FeedbackItemSerializer,

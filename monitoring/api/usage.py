@@ -11,13 +11,13 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions
-from rest_framework.parsers import JSONParser
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.errors import Invalid
+from platform_site.parsers import JSONBodyParser
 from tenants.audit import Actor, user_actor
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 from tenants.models import Scope
@@ -139,7 +139,7 @@ class PricesView(APIView):
     the admin scope); with ``?default=1`` operators set the defaults."""
 
     permission_classes = [OperatorOrTenantPermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
     operator_flag = "default"
     write_scope = Scope.ADMIN
 
@@ -186,7 +186,7 @@ class BudgetView(APIView):
     approvers (a key needs the admin scope)."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
     write_scope = Scope.ADMIN
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
@@ -206,7 +206,7 @@ class BudgetOverrideView(APIView):
     month's end)."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
     write_scope = Scope.ADMIN
 
     @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT)

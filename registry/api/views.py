@@ -9,10 +9,11 @@ from django.db import transaction
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.parsers import JSONBodyParser
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
@@ -53,7 +54,7 @@ class ModelListView(APIView):
 
 class ModelDetailView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=ModelSerializer)
     def get(self, request: CallerRequest, name: str) -> Response:
@@ -124,7 +125,7 @@ class QuantizeView(APIView):
     measured against the original on a sample before it is kept, canaried like any other."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=None, responses={201: VersionSerializer})
     def post(self, request: CallerRequest, name: str, version: int) -> Response:
@@ -135,7 +136,7 @@ class QuantizeView(APIView):
 
 class VersionDetailView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=VersionSerializer)
     def get(self, request: CallerRequest, name: str, version: int) -> Response:

@@ -6,10 +6,10 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.api.serializers import VersionSerializer
 from registry.mlflow_import import import_version
@@ -29,7 +29,7 @@ class MlflowImportSerializer(serializers.Serializer):
 
 class MlflowImportView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=MlflowImportSerializer, responses={201: VersionSerializer})
     def post(self, request: CallerRequest, name: str) -> Response:

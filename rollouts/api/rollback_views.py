@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
+from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.api.serializers import AliasChangeSerializer
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
@@ -31,7 +31,7 @@ class RollbackSerializer(serializers.Serializer):
 
 class AliasRollbackView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=RollbackSerializer, responses={200: AliasChangeSerializer})
     def post(self, request: CallerRequest, name: str, alias: str) -> Response:
@@ -46,7 +46,7 @@ class AliasRollbackView(APIView):
 
 class AliasReviewView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=CommentSerializer, responses={200: AliasChangeSerializer})
     def post(self, request: CallerRequest, name: str, alias: str, change_id: int) -> Response:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import NotFound
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
+from platform_site.parsers import JSONBodyParser
 from registry.access import model_for, version_for
 from registry.api.serializers import AliasSerializer
 from tenants.audit import Actor
@@ -46,7 +46,7 @@ def approval_response(req: ApprovalRequest) -> Response:
 
 class PlanListView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=PlanSerializer(many=True))
     def get(self, request: CallerRequest, name: str) -> Response:
@@ -101,7 +101,7 @@ class PlanWeightView(APIView):
     """Set a canary's weight: applied within the plan's ``max_weight``, above it a request."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(
         request=WeightSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
@@ -118,7 +118,7 @@ class PlanArmsView(APIView):
     """New weights for an A/B plan's arms: on a protected alias an arms request (202)."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(
         request=ArmWeightsSerializer, responses={200: PlanSerializer, 202: ApprovalSerializer}
@@ -135,7 +135,7 @@ class PlanActionView(APIView):
     """A one-step plan action with an optional reason: kill, pause or resume."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
     change: staticmethod[[RolloutPlan, Actor, str], RolloutPlan]  # set by each subclass
 
     @extend_schema(request=ReasonSerializer, responses=PlanSerializer)
@@ -166,7 +166,7 @@ class PlanPromotionView(APIView):
     """Ask for the plan's candidate to be promoted; an approver decides."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=CommentSerializer, responses={202: ApprovalSerializer})
     def post(self, request: CallerRequest, plan_id: int) -> Response:
@@ -201,7 +201,7 @@ class PromotionListView(APIView):
     """Ask to point an alias at a version without a plan: a promotion request."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(request=PromotionSerializer, responses={202: ApprovalSerializer})
     def post(self, request: CallerRequest, name: str) -> Response:
@@ -240,7 +240,7 @@ class ApprovalDecisionView(APIView):
     """Approve or reject: an approver who is not the requester; 409 when it lost a race."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
     # set by each subclass
     decide: staticmethod[[ApprovalRequest, Actor, str], ApprovalRequest]
 
@@ -262,7 +262,7 @@ class RejectView(ApprovalDecisionView):
 
 class AliasView(APIView):
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=AliasSerializer)
     def get(self, request: CallerRequest, name: str, alias: str) -> Response:
@@ -294,7 +294,7 @@ class TenantPolicyView(APIView):
     """The tenant's default rollout policy: members read it, approvers set it."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=PolicySerializer)
     def get(self, request: CallerRequest) -> Response:
@@ -313,7 +313,7 @@ class ModelPolicyView(APIView):
     """The policy in force for a model (its own, else the tenant's); approvers set its own."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=PolicySerializer)
     def get(self, request: CallerRequest, name: str) -> Response:
@@ -333,7 +333,7 @@ class FreezeOverrideView(APIView):
     """The model's release freeze (GET) and an approver's override of it (POST, audited)."""
 
     permission_classes = [TenantRolePermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=FreezeStatusSerializer)
     def get(self, request: CallerRequest, name: str) -> Response:

@@ -13,11 +13,12 @@ from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
-from rest_framework.parsers import JSONParser
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
+
+from platform_site.parsers import JSONBodyParser
 
 from ..audit import EXPORT_TYPES, audit_events, export_lines
 from ..authentication import CallerRequest, KeyAdminPermission, TenantRolePermission, actor_of
@@ -100,7 +101,7 @@ def _shown_once(data: dict[str, Any]) -> Response:
 
 class KeyListView(APIView):
     permission_classes = [KeyAdminPermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(responses=ApiKeySerializer(many=True))
     def get(self, request: CallerRequest) -> Response:
@@ -137,7 +138,7 @@ class KeyRevokeView(APIView):
 
 class KeyRotateView(APIView):
     permission_classes = [KeyAdminPermission]
-    parser_classes = [JSONParser]
+    parser_classes = [JSONBodyParser]
 
     @extend_schema(
         request=RotateSerializer,
