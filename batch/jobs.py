@@ -25,6 +25,7 @@ from django.db.models import F, Q, QuerySet, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
+from monitoring.budgets import check_budget
 from platform_site.errors import Conflict, Invalid, NotFound, TooLarge
 from platform_site.jobs import send_on_commit
 from registry.access import alias_for, model_for, version_for
@@ -103,6 +104,7 @@ def submit_job(
         raise Invalid("file", "send a file, or the name of an input in storage, not both")
     if deadline is not None and deadline <= timezone.now():
         raise Invalid("deadline", "must be in the future")
+    check_budget(tenant.pk)  # a spent budget's hard stop refuses new jobs, as new requests
     found = resolve_version(tenant.pk, model_name, alias, version)
     signature = Signature.of(found)
     if not signature.features or (signature.tabular and len(signature.inputs) != 1):
@@ -482,7 +484,9 @@ def pause_job(job: Job, actor: Actor, reason: str = "") -> Job:
 
 
 def resume_job(job: Job, actor: Actor) -> Job:
-    """Run the unfinished chunks again (done ones are kept); audited ``job.resume``."""
+    """Run the unfinished chunks again (done ones are kept); audited ``job.resume``. Refused
+    while the tenant's budget stops new work (its chunks would only be refused again)."""
+    check_budget(job.tenant_id)
     with transaction.atomic():
         locked = _transition(job, (JobState.PAUSED,), "be resumed")
         locked.state = JobState.RUNNING if locked.started_at else JobState.QUEUED

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from platform_site.errors import Forbidden, Invalid
+from platform_site.errors import Forbidden, Invalid, OverBudget
 from tenants.audit import SYSTEM, Actor, audit
 from tenants.models import Role
 
@@ -69,6 +69,14 @@ def refusal(budget: Budget) -> str:
         f"monthly budget of {budget.monthly_limit:.2f} {budget.currency} spent "
         f"({budget.spent:.2f} {budget.currency}); an approver can override"
     )
+
+
+def check_budget(tenant_id: int) -> None:
+    """Refuse new work (a batch job, say) of a tenant whose hard stop is in force: the same
+    rule the gateways apply from their cached set, read from the database here."""
+    budget = budget_of(tenant_id)
+    if budget is not None and budget.stopped and not overridden(budget, timezone.now()):
+        raise OverBudget(refusal(budget))
 
 
 def overridden(budget: Budget, now: datetime) -> bool:

@@ -37,6 +37,13 @@ class Unavailable(Exception):
     retry_after_s = 5
 
 
+class OverBudget(Exception):
+    """The tenant's monthly budget is spent and its hard stop refuses new work: the API
+    answers 429 naming the budget, with ``Retry-After`` (until an approver's override)."""
+
+    retry_after_s = 3600
+
+
 class NotFound(Http404):
     """A lookup through the caller's tenant found nothing: 404 in the API and the pages.
 
@@ -68,6 +75,11 @@ class _ConflictError(exceptions.APIException):
 class _UnprocessableError(exceptions.APIException):
     status_code = 422
     default_code = "unprocessable"
+
+
+class _OverBudgetError(exceptions.APIException):
+    status_code = 429
+    default_code = "over_budget"
 
 
 class _UnavailableError(exceptions.APIException):
@@ -103,6 +115,8 @@ def _as_drf(exc: Exception) -> Exception:
         return _UnprocessableError(str(exc))
     if isinstance(exc, Unavailable):
         return _UnavailableError(str(exc))
+    if isinstance(exc, OverBudget):
+        return _OverBudgetError(str(exc))
     if isinstance(exc, Forbidden):
         return exceptions.PermissionDenied(str(exc))
     if isinstance(exc, Http404):
@@ -119,7 +133,7 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
     if isinstance(detail, dict) and set(detail) - {"detail"}:
         body["fields"] = detail
     headers = _keep_headers(response)
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable | OverBudget):
         headers["Retry-After"] = str(exc.retry_after_s)
     return Response(body, status=response.status_code, headers=headers)
 

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from batch import jobs
 from batch.models import Chunk, ChunkState, Job, JobState
+from monitoring.models import Budget
 from tenants.keys import derive_raw_key, identify_key
 from tenants.models import ApiKey, AuditEvent, KeyPriority
 from tests.factories import as_user, key_client, make_key, make_member, make_model, make_version
@@ -367,6 +368,21 @@ def test_unavailable_answers_are_retried_and_a_budget_refusal_pauses_the_job(wor
     assert client.post(f"/api/v1/jobs/{job_id}/resume").status_code == 200
     _run(job_id, door)
     assert Job.objects.get(pk=job_id).state == JobState.SUCCEEDED
+
+
+def test_a_spent_budget_refuses_new_jobs_and_resumes_until_an_override(world, clf):
+    client = key_client(world.key_a)
+    job_id = _submit(client, _jsonl(_rows(5))).json()["id"]
+    assert client.post(f"/api/v1/jobs/{job_id}/pause").status_code == 200
+    Budget.objects.create(tenant=world.a, monthly_limit=10, spent=12, hard_stop=True, stopped=True)
+    refused = _submit(client, _jsonl(_rows(5)))
+    assert refused.status_code == 429 and refused["Retry-After"] == "3600"
+    assert "monthly budget of 10.00 USD spent" in refused.json()["error"]
+    assert client.post(f"/api/v1/jobs/{job_id}/resume").status_code == 429
+    assert Job.objects.count() == 1  # nothing was made by the refused submission
+    Budget.objects.update(override_until=timezone.now() + timedelta(hours=1))
+    assert _submit(client, _jsonl(_rows(5))).status_code == 201
+    assert client.post(f"/api/v1/jobs/{job_id}/resume").status_code == 200
 
 
 def test_a_job_its_key_cannot_serve_fails_and_the_front_door_giving_up_retries_later(world, clf):
