@@ -422,6 +422,11 @@ SPECTACULAR_SETTINGS = {
         "drf_spectacular.hooks.postprocess_schema_enums",  # the default
         "tenants.schema.document_idempotency_key",
     ],
+    # Two choice sets are both called "format" (a version's artifact, a batch job's input).
+    "ENUM_NAME_OVERRIDES": {
+        "ArtifactFormatEnum": "registry.models.ArtifactFormat",
+        "InputFormatEnum": "batch.models.InputFormat",
+    },
 }
 
 # Data path ---------------------------------------------------------------------------------
