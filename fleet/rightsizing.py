@@ -268,9 +268,15 @@ def _replicas(v: VersionFacts, total: Replica) -> list[Recommendation]:
     ]
 
 
+def occupancy_of(rows_per_run: float, max_batch_size: int) -> float:
+    """How full runs are, at most 1: a request of more rows than ``max_batch_size`` runs alone
+    (the batcher never splits it), and that run is full, not 300 % full."""
+    return min(1.0, rows_per_run / max_batch_size)
+
+
 def _batching(v: VersionFacts, total: Replica) -> list[Recommendation]:
     rows = total.rows_per_run or 0.0
-    occupancy = rows / v.max_batch_size
+    occupancy = occupancy_of(rows, v.max_batch_size)
     queue_ms = total.queue_ms or 0.0
     run_ms = total.run_ms or 0.0
     base = {
@@ -689,7 +695,7 @@ def _replica_data(r: Replica, max_batch_size: int) -> dict[str, Any]:
         "utilisation": maybe(r.utilisation),
         "load_avg": _r(r.load_avg, 3),
         "rows_per_run": maybe(rows),
-        "batch_occupancy": maybe(rows / max_batch_size if rows is not None else None),
+        "batch_occupancy": maybe(occupancy_of(rows, max_batch_size) if rows is not None else None),
         "queue_ms_per_request": maybe(r.queue_ms),
         "run_ms": maybe(r.run_ms),
         "cpu_ms_per_run": maybe(r.cpu_s / r.runs * 1000 if r.runs else None),

@@ -21,6 +21,7 @@ from fleet.rightsizing import (
     Replica,
     VersionFacts,
     gather,
+    occupancy_of,
     recommend,
 )
 from monitoring.models import UsageDay
@@ -156,6 +157,14 @@ def test_batching(rfields, vfields, kind, wanted) -> None:
     assert rec.kind == kind and rec.numbers["recommended"] == wanted
     assert rec.numbers["max_batch_size"] == vfields.get("max_batch_size", 32)
     assert rec.numbers["occupancy"] == round(rec.numbers["rows_per_run"] / 32, 3)
+
+
+def test_runs_of_requests_larger_than_a_batch_are_full_not_over_full() -> None:
+    # A request of 100 rows runs alone on a version batching 32: that run is full (found in
+    # the demo, where a batch job's 100-row requests read as 312 % occupancy).
+    assert occupancy_of(100, 32) == 1.0 and occupancy_of(16, 32) == 0.5
+    (rec,) = of_kind(advise(ver(rep(rows=500_000, queue_s=200.0))), "batch_size")
+    assert rec.numbers["occupancy"] == 1.0 and rec.numbers["rows_per_run"] == 100
 
 
 def test_a_queue_delay_recommendation_names_its_numbers() -> None:
