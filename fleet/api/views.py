@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.models.fields.files import FieldFile
 from django.http import FileResponse, HttpResponseRedirect
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
@@ -176,15 +177,7 @@ class ArtifactView(APIView):
         version = node_download(request, version_id, "artifact")
         if isinstance(version, Response):
             return version
-        if settings.SWITCHYARD_STORAGE == "s3":
-            # Never proxy a bucket's bytes: a fresh presigned URL (an agent's client drops its
-            # Authorization header on a redirect to another origin).
-            return HttpResponseRedirect(version.artifact.url)
-        response = FileResponse(
-            version.artifact.open("rb"), content_type="application/octet-stream"
-        )
-        response["X-Artifact-Sha256"] = version.sha256
-        return response
+        return version_file(version.artifact, version.sha256, "application/octet-stream")
 
 
 class TokenizerView(APIView):
@@ -202,8 +195,17 @@ class TokenizerView(APIView):
             return version
         if not version.tokenizer:
             raise NotFound("this version has no tokenizer")
-        if settings.SWITCHYARD_STORAGE == "s3":
-            return HttpResponseRedirect(version.tokenizer.url)
-        response = FileResponse(version.tokenizer.open("rb"), content_type="application/json")
-        response["X-Artifact-Sha256"] = version.tokenizer_sha256
-        return response
+        return version_file(version.tokenizer, version.tokenizer_sha256, "application/json")
+
+
+def version_file(
+    file: FieldFile, sha256: str, content_type: str
+) -> FileResponse | HttpResponseRedirect:
+    """One of a version's files for its agent, with its digest for the agent to check. From S3
+    a fresh presigned URL instead: a bucket's bytes are never proxied (and an agent's client
+    drops its Authorization header on a redirect to another origin)."""
+    if settings.SWITCHYARD_STORAGE == "s3":
+        return HttpResponseRedirect(file.url)
+    response = FileResponse(file.open("rb"), content_type=content_type)
+    response["X-Artifact-Sha256"] = sha256
+    return response
