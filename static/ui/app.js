@@ -104,6 +104,21 @@ const Sy = (() => {
     return { type: "date", title: { text: "time (UTC)", standoff: 4 }, ...extra };
   }
 
+  // Every page's charts share one look: a 230 px box (the .chart class), the legend below,
+  // the page's font, no background and no mode bar. ``layout`` adds to or overrides it.
+  function chart(node, traces, layout) {
+    const base = {
+      margin: { l: 44, r: 10, t: 6, b: 30 },
+      height: 230,
+      showlegend: true,
+      legend: { orientation: "h", y: -0.2 },
+      font: { family: "system-ui, sans-serif", size: 11 },
+      paper_bgcolor: "rgba(0,0,0,0)",
+      plot_bgcolor: "rgba(0,0,0,0)",
+    };
+    window.Plotly.react(node, traces, { ...base, ...layout }, { displayModeBar: false, responsive: true });
+  }
+
   const fmt = {
     time: (t) => `${utc(t).slice(11, 19)} UTC`,
     pct: (x) => (x === null || x === undefined ? "–" : `${(x * 100).toFixed(2)} %`),
@@ -196,5 +211,5 @@ const Sy = (() => {
     return refresh;
   }
 
-  return { api, csrfToken, utc, timeAxis, errorText, live, poll, el, fmt, renderSplit, armColor, message, snapshot };
+  return { api, csrfToken, utc, timeAxis, chart, errorText, live, poll, el, fmt, renderSplit, armColor, message, snapshot };
 })();

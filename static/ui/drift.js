@@ -15,22 +15,12 @@ const REFERENCE_SOURCES = { upload: "uploaded", window: "a past window" };
 
 const state = { model: "", version: null, feature: null };
 
+// This page's charts are taller than the others' (Sy.chart).
 function baseLayout(extra) {
-  return {
-    margin: { l: 48, r: 10, t: 6, b: 30 },
-    height: 280,
-    showlegend: true,
-    legend: { orientation: "h", y: -0.18 },
-    font: { family: "system-ui, sans-serif", size: 11 },
-    paper_bgcolor: "rgba(0,0,0,0)",
-    plot_bgcolor: "rgba(0,0,0,0)",
-    ...extra,
-  };
+  return { margin: { l: 48, r: 10, t: 6, b: 30 }, height: 280, legend: { orientation: "h", y: -0.18 }, ...extra };
 }
 
-function draw(id, traces, layout) {
-  window.Plotly.react(id, traces, layout, { displayModeBar: false, responsive: true });
-}
+const draw = Sy.chart;
 
 function dates(values) {
   return values.map(Sy.utc); // drawn as UTC (Sy.utc)

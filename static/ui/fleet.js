@@ -26,18 +26,11 @@ function drawCharts(charts) {
       marker: { color: t.color, size: 5 },
     }));
     const top = Math.max(1, ...series.desired, ...series.actual.filter((v) => v !== null));
-    const layout = {
+    Sy.chart(node, traces, {
       margin: { l: 34, r: 10, t: 6, b: 30 },
-      height: 230,
-      showlegend: true,
-      legend: { orientation: "h", y: -0.2 },
       xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
       yaxis: { range: [0, top + 1], dtick: top > 10 ? undefined : 1, title: { text: "replicas" } },
-      font: { family: "system-ui, sans-serif", size: 11 },
-      paper_bgcolor: "rgba(0,0,0,0)",
-      plot_bgcolor: "rgba(0,0,0,0)",
-    };
-    window.Plotly.react(node, traces, layout, { displayModeBar: false, responsive: true });
+    });
   }
 }
 

@@ -32,19 +32,12 @@ function drawQuality() {
     }
   });
   const bounded = chart.task === "classifier"; // accuracy and AUC live in [0, 1]
-  const layout = {
+  Sy.chart(node, traces, {
     margin: { l: 40, r: 10, t: 6, b: 30 },
-    height: 230, // the .chart box
-    showlegend: true,
-    legend: { orientation: "h", y: -0.2 },
     // The window's range, not Plotly's autorange: one bucket alone would span a millisecond.
     xaxis: Sy.timeAxis({ range: chart.range.map(Sy.utc) }),
     yaxis: bounded ? { range: [0, 1.02], title: { text: "score" } } : { rangemode: "tozero", title: { text: "MAE" } },
-    font: { family: "system-ui, sans-serif", size: 11 },
-    paper_bgcolor: "rgba(0,0,0,0)",
-    plot_bgcolor: "rgba(0,0,0,0)",
-  };
-  window.Plotly.react(node, traces, layout, { displayModeBar: false, responsive: true });
+  });
 }
 
 document.addEventListener("DOMContentLoaded", drawQuality);

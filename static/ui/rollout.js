@@ -117,11 +117,7 @@ function renderCharts(snapshot) {
     });
     const values = traces.flatMap((t) => t.y).filter((v) => v !== null);
     const top = Math.max(0, ...values);
-    const layout = {
-      margin: { l: 44, r: 10, t: 6, b: 30 },
-      height: 230,
-      showlegend: true,
-      legend: { orientation: "h", y: -0.2 },
+    Sy.chart(`chart-${field}`, traces, {
       xaxis: Sy.timeAxis({ tickformat: "%H:%M", range: [Sy.utc(start), Sy.utc(now + STEP_MS)] }),
       yaxis: {
         rangemode: "tozero",
@@ -143,11 +139,7 @@ function renderCharts(snapshot) {
           line: { color: "#adb5bd", width: 1, dash: "dot" },
         },
       ],
-      font: { family: "system-ui, sans-serif", size: 11 },
-      paper_bgcolor: "rgba(0,0,0,0)",
-      plot_bgcolor: "rgba(0,0,0,0)",
-    };
-    window.Plotly.react(`chart-${field}`, traces, layout, { displayModeBar: false, responsive: true });
+    });
   }
 }
 

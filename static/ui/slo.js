@@ -85,27 +85,17 @@ function renderChart(node, model) {
     line: { color, width: 1, dash: "dash" },
     label: { text, textposition: "end", font: { size: 10, color } },
   });
-  window.Plotly.react(
-    node,
-    traces,
-    {
-      margin: { l: 44, r: 10, t: 6, b: 30 },
-      height: 280,
-      showlegend: true,
-      legend: { orientation: "h", y: -0.18 },
-      xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
-      yaxis: { range: [0, top], title: { text: "burn rate (×)" } },
-      shapes: [
-        threshold(14.4, "#c92a2a", "critical 14.4×"),
-        threshold(6, "#e8590c", "warning 6×"),
-        threshold(1, "#adb5bd", "1×"),
-      ],
-      font: { family: "system-ui, sans-serif", size: 11 },
-      paper_bgcolor: "rgba(0,0,0,0)",
-      plot_bgcolor: "rgba(0,0,0,0)",
-    },
-    { displayModeBar: false, responsive: true }
-  );
+  Sy.chart(node, traces, {
+    height: 280,
+    legend: { orientation: "h", y: -0.18 },
+    xaxis: Sy.timeAxis({ tickformat: "%H:%M" }),
+    yaxis: { range: [0, top], title: { text: "burn rate (×)" } },
+    shapes: [
+      threshold(14.4, "#c92a2a", "critical 14.4×"),
+      threshold(6, "#e8590c", "warning 6×"),
+      threshold(1, "#adb5bd", "1×"),
+    ],
+  });
 }
 
 function render(snapshot) {

@@ -11,17 +11,10 @@ const UNITS = [
   { field: "cpu_s", label: "CPU-seconds", axis: "y2" },
 ];
 
+// Room on both sides: the units chart has a second axis on the right (Sy.chart). Days are
+// categories: as dates, a single day's point made Plotly zoom to fractions of a millisecond.
 function layout(extra) {
-  return {
-    margin: { l: 50, r: 50, t: 6, b: 30 },
-    height: 230,
-    showlegend: true,
-    legend: { orientation: "h", y: -0.2 },
-    font: { family: "system-ui, sans-serif", size: 11 },
-    paper_bgcolor: "rgba(0,0,0,0)",
-    plot_bgcolor: "rgba(0,0,0,0)",
-    ...extra,
-  };
+  return { margin: { l: 50, r: 64, t: 6, b: 30 }, xaxis: { type: "category" }, ...extra };
 }
 
 function sumOver(models, field, days) {
@@ -40,13 +33,7 @@ function drawUsage() {
     y: series.models[name].cost,
     marker: { color: COLORS[i % COLORS.length] },
   }));
-  const config = { displayModeBar: false, responsive: true };
-  window.Plotly.react(
-    "cost-chart",
-    cost,
-    layout({ barmode: "stack", yaxis: { rangemode: "tozero", title: { text: "cost" } } }),
-    config
-  );
+  Sy.chart("cost-chart", cost, layout({ barmode: "stack", yaxis: { rangemode: "tozero", title: { text: "cost" } } }));
   const units = UNITS.map((u, i) => ({
     name: u.label,
     type: "scatter",
@@ -56,14 +43,13 @@ function drawUsage() {
     yaxis: u.axis || "y",
     line: { color: COLORS[i % COLORS.length], width: 2, dash: u.axis ? "dot" : "solid" },
   }));
-  window.Plotly.react(
+  Sy.chart(
     "units-chart",
     units,
     layout({
       yaxis: { rangemode: "tozero", title: { text: "count" } },
       yaxis2: { rangemode: "tozero", overlaying: "y", side: "right", title: { text: "CPU-s" } },
-    }),
-    config
+    })
   );
 }
 

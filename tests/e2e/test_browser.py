@@ -386,4 +386,12 @@ def test_drift_slo_and_alert_pages_in_a_real_browser(browser, platform):
     expect(page.locator("[data-alert-count]")).to_have_text("1")  # the drift alert is left
     assert api.get("/api/v1/alerts?kind=slo_burn").json() == []
     assert [a["kind"] for a in api.get("/api/v1/alerts").json()] == ["drift"]
+
+    # The usage page charts the day's seeded traffic once it is rolled up (the beat task).
+    backend.shell("from monitoring.usage import roll_up; roll_up()")
+    page.goto("/usage/")
+    for chart in ("cost-chart", "units-chart"):
+        expect(page.locator(f"#{chart} .main-svg").first).to_be_visible()
+    expect(page.locator("#units-chart")).to_contain_text("requests")
+    shot(page, "usage")
     page.context.close()
