@@ -4,8 +4,9 @@ and 32 concurrent streams through the platform, next to the same engine generati
 Platform: uvicorn and a serving agent pinned to CPU 0, PostgreSQL + a Redis of its own, the demo
 text model's architecture (``platform_site/demo/storyteller.py``; briefly trained weights decode
 at the same speed as fully trained ones). Clients are websocket streams from this process, pinned to
-CPU 1. In process: the agent's own engine (``load_engine``) on the same artifact, pinned to CPU 0
-with one torch thread like the agent, fed the same requests. Every stream asks for ``--tokens``
+CPU 1. In process: the agent's own engine (``load_engine``) on the same artifact, in a process of
+its own pinned to CPU 0 with one torch thread like the agent, fed the same requests; its rounds
+alternate with the platform's, so both see the same machine. Every stream asks for ``--tokens``
 greedy tokens with no stop sequence, so all streams do the same work. The CPU time the server
 processes spent per token is read from ``/proc``. Run:
 ``.venv/bin/python bench/stream_bench.py`` (``make bench-stream``); another generative artifact
@@ -21,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,33 +140,73 @@ def summarise(rounds: list[tuple[list, float, int, int]]) -> dict:
 
 
 async def measure(
-    run_round, levels: list[int], rounds: int, tokens: int, pids: dict[str, int] | None = None
-) -> dict[int, dict]:
-    """Each level's rounds; with ``pids`` (name: process), each process's CPU per token."""
-    pids = pids or {}
+    run_round, levels: list[int], rounds: int, tokens: int, pids: dict[str, int], engine: Engine
+) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Each level's rounds through the platform (``run_round``) and in process (``engine``),
+    alternated round by round, so that both see the same machine: on a shared VM the speed
+    swings by 2x within minutes, and rounds taken minutes apart compared that swing instead of
+    the platform. Returns (platform, in process) per level, with the CPU per token of each of
+    ``pids`` (name: process) and of the engine's process, and the median of the paired rounds'
+    rate ratios."""
     await run_round(1, tokens)  # warm-up
-    out = {}
+    engine.round(1, tokens)
+    through, local = {}, {}
     for n in levels:
-        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        out[n] = summarise([await run_round(n, tokens) for _ in range(rounds)])
-        for name, pid in pids.items():
-            used = cpu_seconds(pid) - cpu[name]
-            out[n][f"{name}_cpu_us_per_token"] = used / out[n]["tokens"] * 1e6
-        print(f"  {n} streams: {out[n]}", flush=True)
-    return out
+        cpu = dict.fromkeys(pids, 0.0)
+        ours, theirs, engine_cpu = [], [], 0.0
+        for _ in range(rounds):
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            ours.append(await run_round(n, tokens))
+            for name, pid in pids.items():
+                cpu[name] += cpu_seconds(pid) - before[name]
+            result, used = engine.round(n, tokens)
+            theirs.append(result)
+            engine_cpu += used
+        through[n], local[n] = summarise(ours), summarise(theirs)
+        for name in pids:
+            through[n][f"{name}_cpu_us_per_token"] = cpu[name] / through[n]["tokens"] * 1e6
+        local[n]["engine_cpu_us_per_token"] = engine_cpu / local[n]["tokens"] * 1e6
+        through[n]["paired_ratio"] = statistics.median(
+            a[1] / b[1] for a, b in zip(ours, theirs, strict=True)
+        )
+        print(f"  {n} streams: platform {through[n]}\n  in process {local[n]}", flush=True)
+    return through, local
 
 
-def in_process(
-    artifact: Path, fmt: str, levels: list[int], rounds: int, tokens: int
-) -> dict[int, dict]:
+class Engine:
+    """The agent's engine in a process of its own on CPU 0 (where the agent runs), one torch
+    thread like the agent, fed rounds on request (``engine_worker``)."""
+
+    def __init__(self, artifact: Path, fmt: str, max_streams: int) -> None:
+        cmd = [PY, str(Path(__file__).resolve()), "--engine-worker", str(artifact), fmt]
+        cmd.append(str(max_streams))
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", "0", *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def round(self, streams: int, tokens: int) -> tuple[tuple[list, float, int, int], float]:
+        """One round of ``streams`` streams: (its result as ``platform_round``'s, CPU seconds)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{streams} {tokens}\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return tuple(answer["result"]), answer["cpu_s"]  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def engine_worker(artifact: Path, fmt: str, max_streams: int) -> None:
+    """Load the engine as the agent does and run the rounds asked on stdin, one a line
+    ("streams tokens"), answering each with a JSON line on stdout."""
     import torch
 
     from serving_agent._generate import load_engine
     from serving_agent.protocol import GenerationLimits, VersionSpec
 
-    os.sched_setaffinity(0, {0})  # where the agent ran
     torch.set_num_threads(1)
-    limits = GenerationLimits(max_input_tokens=128, max_output_tokens=128, max_streams=max(levels))
+    limits = GenerationLimits(max_input_tokens=128, max_output_tokens=128, max_streams=max_streams)
     spec = VersionSpec(
         version_id=1,
         model="bench",
@@ -186,10 +228,16 @@ def in_process(
         engine, _ = load_hf_engine(copy, spec, threads=1)
     else:
         engine, _ = load_engine(artifact, spec, threads=1)  # as the agent loads it
-    pids = {"engine": os.getpid()}  # this process: the engine's thread and its event loop
-    return asyncio.run(
-        measure(lambda n, t: in_process_round(engine, n, t), levels, rounds, tokens, pids)
-    )
+
+    async def serve() -> None:
+        for line in sys.stdin:
+            streams, tokens = map(int, line.split())
+            before = cpu_seconds(os.getpid())  # the engine's thread and its event loop
+            result = await in_process_round(engine, streams, tokens)
+            used = cpu_seconds(os.getpid()) - before
+            print(json.dumps({"result": result, "cpu_s": used}), flush=True)
+
+    asyncio.run(serve())
 
 
 def main() -> None:
@@ -214,7 +262,12 @@ def main() -> None:
         help="clients do not ask for permessage-deflate (browsers and websockets do)",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "stream.md")
+    parser.add_argument("--engine-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine_worker:
+        artifact, fmt, max_streams = args.engine_worker
+        engine_worker(Path(artifact), fmt, int(max_streams))
+        return
     levels = [int(n) for n in args.streams.split(",")]
     model = BENCH_MODEL if args.artifact else "storyteller"
 
@@ -225,6 +278,7 @@ def main() -> None:
     backend = services_backend(tmp)
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # speed does not depend on training
     running: list[Proc] = []
+    engine: Engine | None = None
     try:
         backend.manage("bootstrap_demo")  # writes its credentials to demo.json, 0600
         creds = json.loads((backend.var_dir / "demo.json").read_text())
@@ -261,24 +315,24 @@ def main() -> None:
             except httpx.HTTPError:
                 return False
 
+        engine = Engine(artifact, args.format, max(levels))
         wait_until(ready, 120, running[-1])
         os.sched_setaffinity(0, {1})  # the clients
-        print("through the platform:", flush=True)
+        print("through the platform and in process, round by round:", flush=True)
         pids = {"gateway": running[0].popen.pid, "agent": running[1].popen.pid}
-        through = asyncio.run(
+        through, local = asyncio.run(
             measure(
                 lambda n, t: platform_round(url, key, model, n, t, not args.no_deflate),
                 levels,
                 args.rounds,
                 args.tokens,
                 pids,
+                engine,
             )
         )
-        for proc in running:
-            proc.stop()
-        print("in process:", flush=True)
-        local = in_process(artifact, args.format, levels, args.rounds, args.tokens)
     finally:
+        if engine is not None:
+            engine.stop()
         for proc in running:
             proc.stop()
         backend.close()
@@ -316,12 +370,13 @@ def render(through: dict, local: dict, args, shape: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"Run {now} on {platform.node()} ({os.cpu_count()} CPUs): {shape}, {args.tokens} "
-        f"greedy tokens per stream, {args.rounds} rounds (tokens/s: their median; TTFT: over "
-        f"every stream of every round); uvicorn on CPU {args.gateway_cpus}, agent on CPU 0, "
-        "clients on CPU 1" + (", no permessage-deflate." if args.no_deflate else "."),
+        f"greedy tokens per stream, {args.rounds} rounds each way, alternated (tokens/s: their "
+        "median; TTFT: over every stream of every round); uvicorn on CPU "
+        f"{args.gateway_cpus}, agent on CPU 0, clients on CPU 1"
+        + (", no permessage-deflate." if args.no_deflate else "."),
         "",
         "| streams | TTFT p50 / p90 ms (platform) | TTFT p50 / p90 ms (in process) | "
-        "tokens/s (platform) | tokens/s (in process) | platform / in process | "
+        "tokens/s (platform) | tokens/s (in process) | platform / in process (paired) | "
         "platform / 1 stream | CPU µs/token: gateway / agent / in process | "
         "CPU-bound platform / in process | tokens per message (platform) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -332,12 +387,15 @@ def render(through: dict, local: dict, args, shape: str) -> str:
         lines.append(
             f"| {n} | {p['ttft_p50_ms']:.2f} / {p['ttft_p90_ms']:.2f} | "
             f"{i['ttft_p50_ms']:.2f} / {i['ttft_p90_ms']:.2f} | {p['tokens_per_s']:,.0f} | "
-            f"{i['tokens_per_s']:,.0f} | {p['tokens_per_s'] / i['tokens_per_s']:.0%} | "
+            f"{i['tokens_per_s']:,.0f} | {p['paired_ratio']:.0%} | "
             f"{p['tokens_per_s'] / single:.1f}x | {p['gateway_cpu_us_per_token']:.0f} / "
             f"{p['agent_cpu_us_per_token']:.0f} / {i['engine_cpu_us_per_token']:.0f} | "
             f"{cpu_bound(p, i):.0%} | {p['tokens_per_message']:.2f} |"
         )
     lines += [
+        "",
+        "Platform / in process (paired): each platform round is followed by the same round in "
+        "process; the median over the rounds of the two rates' ratio.",
         "",
         "CPU-bound platform / in process: the in-process engine's CPU per token over the gateway's "
         "and the agent's together, the rate the platform keeps when CPU 0 does nothing else; "
