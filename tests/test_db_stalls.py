@@ -83,6 +83,9 @@ def test_ready_needs_a_first_refresh_then_the_database_or_a_ready_agent(state, m
     assert call("/v2/health/ready", method="GET")[0] == 200
 
 
+# db_call closes the thread's stale connections around each call, which pytest-django allows
+# only in a database test (it failed when an earlier test had left this thread a connection).
+@pytest.mark.django_db
 def test_session_writes_keep_order_coalesce_heartbeats_and_retry_state_changes(monkeypatch):
     monkeypatch.setattr(consumers, "WRITE_RETRY_S", 0.01)
     made: list[tuple[str, int]] = []
