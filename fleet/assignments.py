@@ -119,10 +119,10 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         max_queue_delay_ms=version.max_queue_delay_ms,
         max_queue=version.max_queue,
         max_queue_per_caller=version.max_queue_per_caller,
-        # Django types a field with choices as str; these fields' choices are the protocol's
+        # Django types a field with choices as str; this field's choices are the protocol's
         # values, which pydantic checks again here.
         device=cast(Literal["auto", "cpu", "cuda"], version.device),
-        format=cast(Literal["onnx", "textgen", "hf", "torch"], version.format),
+        format=version.format,
         generation=GenerationLimits(
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,

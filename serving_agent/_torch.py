@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_
 from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
 
 from ._exceptions import BadInput
-from ._runtime import Runtime
+from ._runtime import Runtime, load_runtime
+from .protocol import VersionSpec
 from .torch_archive import MODEL, read_archive
 
 logger = logging.getLogger(__name__)
@@ -161,3 +163,15 @@ class TorchRuntime(Runtime):
         self._module = None
         if self._device == "cuda":
             torch.cuda.empty_cache()
+
+
+def load_torch(
+    path: Path,
+    spec: VersionSpec,
+    threads: int = 1,
+    *,
+    wrap: Callable[[Runtime], Runtime] | None = None,
+) -> Runtime:
+    """The agent's loader for ``torch`` versions (``serving_agent.formats``): the exported
+    program, behind the same signature checks as an ONNX graph."""
+    return load_runtime(path, spec, threads, TorchRuntime, wrap)

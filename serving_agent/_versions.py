@@ -9,13 +9,12 @@ measuring that the memory came back before the new version loads.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from ._batcher import INLINE_BELOW_S, Batcher, BatchSizes, SchedCounts
 from ._cache import download_source
@@ -30,12 +29,13 @@ from ._memory import (
     release_memory,
     released_enough,
 )
-from ._runtime import Runtime, load_runtime, warm_up
+from ._runtime import Runtime, warm_up
 from ._text import text_wrapper
+from .formats import FORMATS, EngineLoader, RuntimeLoader
 from .protocol import Assign, VersionLoad, VersionSpec, VersionState, VersionStatus
 
 if TYPE_CHECKING:
-    from ._generate import Engine  # imports torch; loaded only for textgen versions
+    from ._generate import Engine  # imports torch; loaded only for versions that generate
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 # holds a copy of the weights plus its arena for activations, a textgen engine the weights plus
 # its KV cache. The real footprint is measured once it has loaded.
 NEED_PER_ARTIFACT_BYTE = 2
-# The agent's modules that import torch, by the formats that need them.
-_TORCH_MODULES = {"textgen": "_generate", "hf": "_hf", "torch": "_torch"}
 
 T = TypeVar("T")
 
@@ -52,12 +50,6 @@ T = TypeVar("T")
 # Fields that change what is loaded; a change in any other field (batching or generation
 # limits) is applied to the running version without reloading it.
 _ARTIFACT_FIELDS = {"sha256", "format", "device", "inputs", "outputs"}
-
-
-def _open_torch(path: Path, device: str, threads: int) -> Runtime:
-    from ._torch import TorchRuntime  # imports torch: only nodes serving torch versions do
-
-    return TorchRuntime(path, device, threads)
 
 
 def needs_reload(old: VersionSpec, new: VersionSpec) -> bool:
@@ -291,6 +283,11 @@ class VersionSet:
         version_id = spec.version_id
         started = time.perf_counter()
         await self.send_status(version_id, "loading")
+        fmt = FORMATS.get(spec.format)
+        if fmt is None:  # a platform newer than this agent: this version fails, not the others
+            return await self._load_failed(
+                version_id, f"this agent does not serve the {spec.format!r} format"
+            )
         tokenizer: Path | None = None
         try:
             # A presigned bucket URL gets no node headers (download_source).
@@ -308,31 +305,33 @@ class VersionSet:
             if problem is not None:
                 self.unfit[version_id] = (self._loading.get(version_id, (spec,))[0], problem)
                 return await self._load_failed(version_id, problem)
-            if spec.format in _TORCH_MODULES:
-                # Imports torch (hundreds of MiB) on the first torch, textgen or hf version:
-                # before the reading, so that version's footprint is its own; in a thread, as it
-                # takes seconds.
-                module = f"{__package__}.{_TORCH_MODULES[spec.format]}"
-                await asyncio.to_thread(importlib.import_module, module)
+            # Imports the loader's module, and torch (hundreds of MiB) with it on the first
+            # version of a format built on torch: before the reading, so that version's
+            # footprint is its own; in a thread, as it takes seconds.
+            load = await asyncio.to_thread(fmt.load_function)
             before = await asyncio.to_thread(settled_load_reading)
-            if spec.format in ("textgen", "hf"):
-                await self.load_textgen(spec, path, before)
+            if fmt.streams:
+                await self.load_engine(spec, path, before, cast(EngineLoader, load))
             else:
-                await self.load_onnx(spec, path, before, tokenizer)
+                await self.load_batched(spec, path, before, cast(RuntimeLoader, load), tokenizer)
             loaded = self.loaded.get(version_id)
             if loaded is not None:
                 loaded.usage.load_s = time.perf_counter() - started
 
-    async def load_onnx(
-        self, spec: VersionSpec, path: Path, before: Reading, tokenizer: Path | None = None
+    async def load_batched(
+        self,
+        spec: VersionSpec,
+        path: Path,
+        before: Reading,
+        load: RuntimeLoader,
+        tokenizer: Path | None = None,
     ) -> None:
-        """Load an ONNX (behind its tokenizer, if any) or torch artifact behind a batcher, warm
+        """Load an artifact as a runtime (behind its tokenizer, if any) behind a batcher, warm
         it up, measure it, report."""
         version_id = spec.version_id
         try:
-            opener = _open_torch if spec.format == "torch" else None
             wrap = text_wrapper(tokenizer, spec) if tokenizer is not None else None
-            runtime = await asyncio.to_thread(load_runtime, path, spec, self.threads, opener, wrap)
+            runtime = await asyncio.to_thread(load, path, spec, self.threads, wrap=wrap)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"load failed: {exc}")
         try:
@@ -371,18 +370,14 @@ class VersionSet:
             version_id, "ready", provider=runtime.provider, memory_bytes=usage.memory_bytes
         )
 
-    async def load_textgen(self, spec: VersionSpec, path: Path, before: Reading) -> None:
-        """Load a textgen artifact onto an engine, warm it up with a tiny generation, measure
+    async def load_engine(
+        self, spec: VersionSpec, path: Path, before: Reading, load: EngineLoader
+    ) -> None:
+        """Load an artifact onto a generation engine, warmed up with a tiny generation, measure
         it, report."""
-        # torch (and transformers) are imported only by nodes that generate
-        if spec.format == "hf":
-            from ._hf import load_hf_engine as load_engine
-        else:
-            from ._generate import load_engine
-
         version_id = spec.version_id
         try:
-            engine, warm_s = await asyncio.to_thread(load_engine, path, spec, self.threads)
+            engine, warm_s = await asyncio.to_thread(load, path, spec, self.threads)
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"load failed: {exc}")
         usage = measure_usage(

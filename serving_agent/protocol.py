@@ -82,10 +82,10 @@ class GenerationLimits(BaseModel):
 class VersionSpec(BaseModel):
     """One model version an agent must serve.
 
-    ``onnx`` versions answer ``InferRequest`` frames. ``textgen`` versions are a safetensors
-    file of a known decoder-only architecture (its config in the file's metadata; never a
-    pickle) and answer ``GenerateRequest`` frames with a stream of ``TokenChunk``s (in
-    ``TokenBatch`` frames, one per engine step) and one ``GenerateDone`` (or an ``InferError``).
+    Versions of a format that answers batches (``onnx``, ``torch``) answer ``InferRequest``
+    frames. Versions of a format that streams (``textgen``, ``hf``; ``serving_agent.formats``)
+    answer ``GenerateRequest`` frames with a stream of ``TokenChunk``s (in ``TokenBatch``
+    frames, one per engine step) and one ``GenerateDone`` (or an ``InferError``).
     """
 
     version_id: int
@@ -93,7 +93,9 @@ class VersionSpec(BaseModel):
     version: int
     sha256: str
     artifact_url: str
-    format: Literal["onnx", "textgen", "hf", "torch"] = "onnx"
+    # A key of ``serving_agent.formats.FORMATS`` (the platform's ``registry.formats`` holds the
+    # same): an agent that lacks it fails this version's load, not the whole assignment.
+    format: str = "onnx"
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     max_batch_size: int = 32
