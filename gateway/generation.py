@@ -253,10 +253,11 @@ async def _start(
     route = routed.route
     if not route.generates_text:
         raise ApiError(400, f"model {name!r} does not generate text: use /v2/models/{name}/infer")
-    # An hf version's agent has the real tokenizer: it counts the prompt, refuses one past
-    # max_input_tokens, renders a chat with the model's template and reports the count, which
-    # the tenant's budget is charged at the end. The byte-level model's tokens are bytes.
-    own_tokenizer = route.format == "hf"
+    # A format whose agent tokenizes (hf, registry.formats) has the real tokenizer there: the
+    # agent counts the prompt, refuses one past max_input_tokens, renders a chat with the
+    # model's template and reports the count, which the tenant's budget is charged at the end.
+    # The byte-level model's tokens are bytes, counted here.
+    own_tokenizer = route.tokenizes_on_agent
     prompt_tokens = 0 if own_tokenizer else count_tokens(params.prompt)
     if prompt_tokens > route.max_input_tokens:
         raise ApiError(

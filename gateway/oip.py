@@ -202,7 +202,7 @@ def model_metadata(route: Route) -> dict[str, Any]:
     return {
         "name": route.model_name,
         "versions": [str(route.version)],
-        "platform": "onnxruntime_onnx",
+        "platform": route.platform,
         "inputs": [
             {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in route.inputs
         ],

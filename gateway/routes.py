@@ -8,6 +8,7 @@ import numpy as np
 
 from platform_site.errors import NotFound
 from registry.access import model_for, version_for
+from registry.formats import DEFAULT_FORMAT, FORMATS
 from registry.models import Alias, ModelVersion
 from registry.signature import check_default_answer
 from serving_agent.protocol import OIP_TO_NUMPY
@@ -42,7 +43,10 @@ class Route:
     feature_names: tuple[str, ...]
     # Text generation: streamed tokens instead of tensors, within the version's token limits.
     generates_text: bool = False
-    format: str = "onnx"  # the artifact's: "hf" versions tokenize on the agent
+    # The agent tokenizes the prompt and renders chats itself (registry.formats).
+    tokenizes_on_agent: bool = False
+    # OIP model metadata's ``platform``: the runtime that serves the version's format.
+    platform: str = FORMATS[DEFAULT_FORMAT].platform
     max_input_tokens: int = 0
     max_output_tokens: int = 0
     # Prediction logging: the share sampled, and {field: "redact" | "hash"} applied first.
@@ -80,7 +84,8 @@ class RouteMissing(Exception):
 def route_of(version: ModelVersion) -> Route:
     log_sample_rate = version.model.log_sample_rate
     personal_fields = tuple(sorted(version.personal_fields.items()))
-    if version.generates_text:
+    fmt = version.format_entry
+    if fmt.generates_text:
         return Route(
             tenant_id=version.model.tenant_id,
             model_name=version.model.name,
@@ -92,7 +97,8 @@ def route_of(version: ModelVersion) -> Route:
             outputs=tuple(version.outputs),
             feature_names=(),
             generates_text=True,
-            format=version.format,
+            tokenizes_on_agent=fmt.tokenizes_on_agent,
+            platform=fmt.platform,
             max_input_tokens=version.max_input_tokens,
             max_output_tokens=version.max_output_tokens,
             log_sample_rate=log_sample_rate,
@@ -120,6 +126,7 @@ def route_of(version: ModelVersion) -> Route:
         ),
         outputs=tuple(version.outputs),
         feature_names=tuple(version.feature_names),
+        platform=fmt.platform,
         log_sample_rate=log_sample_rate,
         personal_fields=personal_fields,
         fallback_version_id=fallback if fallback != version.pk else None,

@@ -29,6 +29,7 @@ from platform_site.errors import Invalid, TooLarge, Unavailable
 
 from . import services
 from .models import Model, ModelVersion
+from .uploads import FileOnDisk
 
 if TYPE_CHECKING:
     from storages.backends.s3 import S3Storage
@@ -132,5 +133,5 @@ def _from_local(model: Model, path: str, **kwargs: Any) -> ModelVersion:
     if not os.path.isfile(real):
         raise Invalid(FIELD, f"{path} is not a regular file")
     _check_size(os.path.getsize(real))
-    with services.FileOnDisk(real) as artifact:
+    with FileOnDisk(real) as artifact:
         return services.create_version(model, artifact, artifact_uri=path, **kwargs)

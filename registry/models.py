@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from .formats import FORMATS, Format, format_choices
 from .signature import SignatureError, check_default_answer
 
 name_validator = RegexValidator(
@@ -127,17 +128,12 @@ class Model(models.Model):
                 raise ValidationError({"default_answer": f"{exc.field}: {exc}"}) from None
 
 
-class ArtifactFormat(models.TextChoices):
-    ONNX = "onnx", "ONNX"
-    # Safetensors weights of the known decoder-only architecture (serving_agent.textgen): no
-    # pickle, so loading a tenant's upload runs no code.
-    TEXTGEN = "textgen", "Text generation (safetensors)"
-    # A Hugging Face causal LM as one archive: config.json of a supported architecture,
-    # *.safetensors weights and tokenizer.json; refused at upload if anything needs pickle or
-    # remote code.
-    HF = "hf", "Hugging Face causal LM (archive)"
-    # A torch model exported without arbitrary unpickling (torch.export archive).
-    TORCH = "torch", "torch (exported program)"
+# The format values as named constants, made from the table (registry.formats.FORMATS) so a
+# new format is not a second list here: code asks the table; tests and the API schema's enum
+# name (SPECTACULAR_SETTINGS) use these names. django-stubs types only the class form.
+ArtifactFormat = models.TextChoices(  # type: ignore[call-overload]
+    "ArtifactFormat", [(value.upper(), (value, label)) for value, label in format_choices()]
+)
 
 
 class Device(models.TextChoices):
@@ -148,7 +144,8 @@ class Device(models.TextChoices):
 
 def artifact_path(instance: ModelVersion, filename: str) -> str:
     # Content-addressed: the file name is the hash, so a stored artifact is never overwritten.
-    return f"artifacts/{instance.model.tenant_id}/{instance.sha256}.{instance.format}"
+    extension = FORMATS[instance.format].extension
+    return f"artifacts/{instance.model.tenant_id}/{instance.sha256}.{extension}"
 
 
 def tokenizer_path(instance: ModelVersion, filename: str) -> str:
@@ -190,7 +187,8 @@ class ModelVersion(models.Model):
     version = models.PositiveIntegerField()
     artifact = models.FileField(upload_to=artifact_path, max_length=300)
     sha256 = models.CharField(max_length=64)
-    format = models.CharField(max_length=10, choices=ArtifactFormat.choices)
+    # Its entry in registry.formats.FORMATS says how it is checked, served and described.
+    format = models.CharField(max_length=10, choices=format_choices)
     # Signature: [{"name", "datatype" (OIP v2), "shape" (-1 = dynamic)}]
     inputs = models.JSONField()
     outputs = models.JSONField()
@@ -289,8 +287,12 @@ class ModelVersion(models.Model):
             )
 
     @property
+    def format_entry(self) -> Format:
+        return FORMATS[self.format]
+
+    @property
     def generates_text(self) -> bool:
-        return self.format in (ArtifactFormat.TEXTGEN, ArtifactFormat.HF)
+        return self.format_entry.generates_text
 
 
 def _field_value(version: ModelVersion, field: str) -> object:

@@ -22,7 +22,8 @@ from serving_agent.protocol import OIP_TO_NUMPY
 from tenants.audit import SYSTEM, Actor
 
 from . import services
-from .models import ArtifactFormat, ModelVersion
+from .formats import labels_where
+from .models import ModelVersion
 
 SAMPLE_ROWS = 64  # rows of the sample both graphs answer
 TIMED_RUNS = 30  # timed runs of each graph on the sample, after a warm-up
@@ -34,9 +35,11 @@ def quantize_version(
 ) -> ModelVersion:
     """A new version of the same model: ``version``'s graph with INT8 weights, its lineage
     holding the method and the measured difference and speed-up; the original is untouched."""
-    if version.format != ArtifactFormat.ONNX:
+    if not version.format_entry.quantizable:
         raise Invalid(
-            "version", f"only ONNX versions can be quantised; this one is {version.format}"
+            "version",
+            f"only {labels_where(lambda f: f.quantizable)} versions can be quantised; "
+            f"this one is {version.format}",
         )
     if version.tokenizer:
         raise Invalid("version", "versions that take text (a tokenizer) are not quantised")

@@ -4,10 +4,6 @@ in ``registry.access``)."""
 from __future__ import annotations
 
 import hashlib
-import io
-import mmap
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -20,17 +16,17 @@ from django.utils import timezone
 
 from platform_site.errors import NotFound, TooLarge, Unavailable
 from serving_agent.pickles import pickle_kind
-from serving_agent.torch_archive import ArchiveError, read_archive
 from tenants.audit import SYSTEM, Actor, audit
 
 from .access import version_for
-from .models import MAX_ROLLBACK_WARM_S, Alias, AliasChange, ArtifactFormat, Model, ModelVersion
+from .formats import DEFAULT_FORMAT, format_of, labels_where
+from .formats import TEXTGEN_INPUTS as TEXTGEN_INPUTS  # re-exported: tests and tools import it
+from .formats import TEXTGEN_OUTPUTS as TEXTGEN_OUTPUTS
+from .models import MAX_ROLLBACK_WARM_S, Alias, AliasChange, Model, ModelVersion
 from .signature import (
     SignatureError,
     check_declared_matches,
     normalize_declared,
-    read_onnx_signature,
-    read_onnx_signature_from_file,
     with_artifact_parameters,
 )
 from .text import check_tokenizer, text_signature
@@ -82,10 +78,6 @@ MONITORING_FIELDS = (
 # The fallback ladder (``Model.fallback_version`` and the rest): set like the settings above.
 LADDER_FIELDS = ("fallback_version", "primary_timeout_ms", "fallback_timeout_ms", "default_answer")
 PERSONAL_RULES = ("redact", "hash")
-# What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
-# architecture; streams speak the generation protocol, not tensors).
-TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
-TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
@@ -106,7 +98,7 @@ def create_version(
     outputs: Any = None,
     feature_names: list[str] | None = None,
     created_by: User | None = None,
-    format: str = ArtifactFormat.ONNX,
+    format: str = DEFAULT_FORMAT,
     actor: Actor = SYSTEM,
     tokenizer: bytes | File | None = None,
     stored_name: str | None = None,
@@ -115,10 +107,9 @@ def create_version(
     """Store a new immutable version: hash the artifact, read and check its signature.
 
     A declared signature (``inputs``/``outputs``) must agree with the artifact's own, or the
-    upload is refused; when none is declared the artifact's is recorded. A ``textgen`` artifact
-    must be a safetensors file of the known architecture, checked without running any code; a
-    ``torch`` artifact a ``torch.export`` archive, its signature read from its JSON. Pickle data
-    is refused in every format.
+    upload is refused; when none is declared the artifact's is recorded. The artifact is
+    checked, without running any code, by its format's entry in ``registry.formats``, which
+    also reads its signature. Pickle data is refused in every format, before that check.
 
     ``artifact`` may be an uploaded file: one the server spooled to disk is hashed and checked
     from disk in chunks, and moved into storage, never read into memory whole.
@@ -140,18 +131,13 @@ def create_version(
         refuse_pickle(
             tokenizer if isinstance(tokenizer, File) else ContentFile(tokenizer), "tokenizer"
         )
-    if format == ArtifactFormat.TEXTGEN:
-        real_inputs, real_outputs = _check_textgen(upload)
-    elif format == ArtifactFormat.TORCH:
-        real_inputs, real_outputs = _check_torch(upload)
-    elif format == ArtifactFormat.HF:
-        real_inputs, real_outputs = _check_hf(upload)
-    else:
-        real_inputs, real_outputs = _onnx_signature(upload)
+    fmt = format_of(format)
+    real_inputs, real_outputs = fmt.check(upload)
     tokenizer_file = None
     if tokenizer is not None:
-        if format != ArtifactFormat.ONNX:
-            raise SignatureError("tokenizer", "a tokenizer attaches to ONNX versions only")
+        if not fmt.takes_tokenizer:
+            takers = labels_where(lambda f: f.takes_tokenizer)
+            raise SignatureError("tokenizer", f"a tokenizer attaches to {takers} versions only")
         tokenizer_file = tokenizer if isinstance(tokenizer, File) else ContentFile(tokenizer)
         check_tokenizer(tokenizer_file)
         real_inputs, real_outputs = text_signature(real_inputs, real_outputs)
@@ -194,7 +180,7 @@ def create_version(
             else:
                 # A file spooled to disk is moved, not copied through memory (Django's
                 # storage); S3 gets it in multipart chunks read from disk.
-                version.artifact.save(f"{sha256}.{format}", upload, save=False)
+                version.artifact.save(f"{sha256}.{fmt.extension}", upload, save=False)
             if tokenizer_file is not None:
                 version.tokenizer_sha256 = _sha256(tokenizer_file)
                 version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
@@ -226,58 +212,6 @@ def _sha256(upload: File) -> str:
     return digest.hexdigest()
 
 
-class FileOnDisk(File):
-    """A file already on this machine's disk (an artifact registered by reference): checked
-    in place like a spooled upload, but copied into storage, never moved."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(open(path, "rb"), name=path)  # noqa: SIM115 - File owns and closes it
-        self.path_on_disk = path
-
-
-def _on_disk(upload: File) -> str | None:
-    """The path of an upload the server spooled to disk (Django's temporary upload file), or
-    of a ``FileOnDisk``."""
-    if isinstance(upload, FileOnDisk):
-        return upload.path_on_disk
-    path = getattr(upload, "temporary_file_path", None)
-    return path() if path is not None else None
-
-
-@contextmanager
-def _contents(upload: File) -> Iterator[bytes | mmap.mmap]:
-    """The upload's bytes: mapped from disk (read only where looked at) when it is there."""
-    path = _on_disk(upload)
-    if path is None:
-        upload.seek(0)
-        yield upload.read()
-        return
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        yield mapped
-
-
-def _onnx_signature(upload: File) -> tuple[list[dict], list[dict]]:
-    """An upload on disk is checked in a child process (ONNX's checker loads the weights);
-    one in memory (at most ``FILE_UPLOAD_MAX_MEMORY_SIZE``, or bytes a caller already holds)
-    here."""
-    path = _on_disk(upload)
-    if path is not None:
-        return read_onnx_signature_from_file(path)
-    upload.seek(0)
-    return read_onnx_signature(upload.read())
-
-
-def _check_textgen(upload: File) -> tuple[list[dict], list[dict]]:
-    from serving_agent.textgen import read_config  # torch: imported only for such uploads
-
-    try:
-        with _contents(upload) as data:
-            read_config(data)  # reads the header, and only the size of the rest
-    except ValueError as exc:
-        raise SignatureError("artifact", f"not a valid text-generation artifact: {exc}") from None
-    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
-
-
 def refuse_pickle(upload: File, field: str) -> None:
     """Refuse pickle data whatever format the upload claims: unpickling runs the writer's code."""
     kind = pickle_kind(upload)
@@ -288,28 +222,6 @@ def refuse_pickle(upload: File, field: str) -> None:
             "whatever code its writer chose. Upload ONNX, a torch.export archive "
             "(torch.export.save) or safetensors weights instead.",
         )
-
-
-def _check_torch(upload: File) -> tuple[list[dict], list[dict]]:
-    """A torch.export archive's signature, read from its JSON: nothing in it runs here."""
-    path = _on_disk(upload)
-    try:
-        if path is not None:
-            archive = read_archive(path)
-        else:
-            upload.seek(0)
-            archive = read_archive(io.BytesIO(upload.read()))
-    except ArchiveError as exc:
-        raise SignatureError("artifact", f"not a valid torch.export archive: {exc}") from None
-    return archive.inputs, archive.outputs
-
-
-def _check_hf(upload: File) -> tuple[list[dict], list[dict]]:
-    from .hf_artifact import check_hf_archive
-
-    upload.seek(0)
-    check_hf_archive(_on_disk(upload) or upload)
-    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
 def _check_feature_names(names: list[str], inputs: list[dict]) -> None:

@@ -12,7 +12,7 @@ import torch
 from django.core.files.uploadedfile import SimpleUploadedFile
 from sklearn.linear_model import LogisticRegression
 
-from registry import services
+from registry import formats
 from registry.models import ModelVersion
 from registry.services import create_version
 from registry.signature import SignatureError
@@ -122,7 +122,7 @@ def test_files_that_are_not_pickles_are_not_mistaken_for_one(onnx_bytes):
 def test_uploads_spooled_to_disk_are_checked_from_disk(api_a, settings, monkeypatch):
     settings.FILE_UPLOAD_MAX_MEMORY_SIZE = 1  # every upload goes to a temporary file
     read = []
-    monkeypatch.setattr(services, "read_archive", lambda f: read.append(f) or read_archive(f))
+    monkeypatch.setattr(formats, "read_archive", lambda f: read.append(f) or read_archive(f))
     assert upload(api_a, mlp()[1], "torch", "mlp.pt2").status_code == 201
     assert [type(f) for f in read] == [str]  # a path: read from disk, not into memory
     refused = upload(api_a, torch_state_dict(), "torch")

@@ -16,6 +16,8 @@ from django.views.decorators.http import require_POST
 from registry import services
 from registry.access import model_for
 from registry.api.serializers import ModelSerializer
+from registry.formats import DEFAULT_FORMAT, FORMATS
+from registry.models import TaskKind
 from rollouts.access import approval_for, approvals_of, plan_for
 from rollouts.approvals import evidence_of
 from rollouts.models import PlanMode, RequestState
@@ -79,11 +81,16 @@ def model_detail(request: TenantRequest, name: str) -> HttpResponse:
     production = next((a for a in aliases if a.name == "production"), None)
     plans = model.plans.select_related("baseline", "candidate")
     active = next((p for p in plans if p.is_active), None)
+    # The upload form offers every format; a generator's first choice is one that generates text.
+    generating = [f.value for f in FORMATS.values() if f.generates_text]
+    upload_format = generating[0] if model.task == TaskKind.GENERATOR else DEFAULT_FORMAT
     return page(
         request,
         "model.html",
         {
             "model": model,
+            "formats": FORMATS.values(),
+            "upload_format": upload_format,
             "versions": versions,
             "aliases": aliases,
             "plans": plans,

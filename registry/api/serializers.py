@@ -12,7 +12,8 @@ from rest_framework import serializers
 
 from platform_site.api import JSONTextField
 
-from ..models import Alias, AliasChange, ArtifactFormat, Model, ModelVersion
+from ..formats import DEFAULT_FORMAT, format_choices
+from ..models import Alias, AliasChange, Model, ModelVersion
 from ..reference import normalize_reference, rows_from_csv
 from ..services import LADDER_FIELDS, MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
 
@@ -177,7 +178,7 @@ class VersionUploadSerializer(ServingSettingsSerializer):
         help_text="a tokenizer.json (Hugging Face tokenizers) for an ONNX model taking "
         "input_ids/attention_mask/token_type_ids: the version then takes a BYTES text input",
     )
-    format = serializers.ChoiceField(choices=ArtifactFormat.choices, default=ArtifactFormat.ONNX)
+    format = serializers.ChoiceField(choices=format_choices(), default=DEFAULT_FORMAT)
     inputs = JSONTextField(required=False)
     outputs = JSONTextField(required=False)
     feature_names = JSONTextField(required=False)

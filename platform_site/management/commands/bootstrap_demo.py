@@ -22,7 +22,7 @@ from django.db import transaction
 from fleet.models import ClusterKind, Deployment, Node, Pool
 from fleet.nodes import create_node, rotate_node_token
 from platform_site.secret_files import write_private
-from registry.models import ArtifactFormat, Model, TaskKind
+from registry.models import Model, TaskKind
 from registry.services import create_version, set_alias
 from tenants.audit import user_actor
 from tenants.keys import create_api_key, identify_key
@@ -58,7 +58,7 @@ class Command(BaseCommand):
             what="text model",
             seconds_env=("SWITCHYARD_DEMO_TEXT_SECONDS", 90.0),
             train=train_text_model,
-            format=ArtifactFormat.TEXTGEN,
+            format="textgen",
         )
 
     def _llama_model(self, tenant: Tenant, admin: AbstractBaseUser) -> None:
@@ -75,7 +75,7 @@ class Command(BaseCommand):
             what="Llama model",
             seconds_env=("SWITCHYARD_DEMO_LLAMA_SECONDS", 20.0),
             train=train_llama_storyteller,
-            format=ArtifactFormat.HF,
+            format="hf",
         )
 
     def _generator(
@@ -88,7 +88,7 @@ class Command(BaseCommand):
         what: str,
         seconds_env: tuple[str, float],
         train: Callable[..., tuple[bytes, dict[str, Any]]],
-        format: ArtifactFormat,
+        format: str,
     ) -> None:
         """A demo generator trained here for a bounded time (its environment variable, in
         seconds) and put in production, once: a second run finds its version and stops."""

@@ -1,0 +1,168 @@
+"""The model formats the platform takes: one entry per format, as KServe's model servers each
+implement one ``Model``. An entry says how an upload of that format is checked and what its
+signature is, what OIP metadata calls the runtime that serves it, and everything else the
+platform does differently for it. Code elsewhere asks this table, never compares format names.
+
+The agent has the other half (``serving_agent.formats``: how a format is loaded and run);
+``tests/test_formats.py`` checks that both tables hold the same formats. Adding a format is one
+entry here, one there, and their tests (``docs/runtimes.md``, "Adding a model format").
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.core.files.base import File
+
+from serving_agent.torch_archive import ArchiveError, read_archive
+
+from .hf_artifact import check_hf_archive
+from .signature import SignatureError, read_onnx_signature, read_onnx_signature_from_file
+from .uploads import contents, on_disk
+
+# A version's inputs and outputs, as stored on ModelVersion: [{"name", "datatype", "shape"}].
+Signature = tuple[list[dict], list[dict]]
+
+# What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
+# architecture; streams speak the generation protocol, not tensors).
+TEXTGEN_INPUTS = [{"name": "prompt", "datatype": "BYTES", "shape": [-1]}]
+TEXTGEN_OUTPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+
+
+@dataclass(frozen=True)
+class Format:
+    """Everything the platform knows about one artifact format."""
+
+    value: str  # stored in ModelVersion.format and sent to agents: the key of both tables
+    label: str  # what people read (the admin, the upload form)
+    # OIP model metadata's ``platform``, in KServe's and Triton's words: the runtime that
+    # really serves the version.
+    platform: str
+    # Refuses an artifact that is not of this format (SignatureError naming the problem) and
+    # reads its signature, without running anything from it.
+    check: Callable[[File], Signature]
+    extension: str  # of the stored artifact's name
+    # Streams tokens (websocket, OpenAI API) instead of answering tensors.
+    generates_text: bool = False
+    # The agent tokenizes prompts and renders chats with the model's own tokenizer and template;
+    # otherwise the gateway counts the prompt's tokens (bytes) and writes chats as plain turns.
+    tokenizes_on_agent: bool = False
+    takes_tokenizer: bool = False  # a tokenizer.json may be attached, making it take text
+    quantizable: bool = False  # registry.quantize can make an INT8 variant of it
+
+
+def _check_onnx(upload: File) -> Signature:
+    """An upload on disk is checked in a child process (ONNX's checker loads the weights);
+    one in memory (at most ``FILE_UPLOAD_MAX_MEMORY_SIZE``, or bytes a caller already holds)
+    here."""
+    path = on_disk(upload)
+    if path is not None:
+        return read_onnx_signature_from_file(path)
+    upload.seek(0)
+    return read_onnx_signature(upload.read())
+
+
+def _check_textgen(upload: File) -> Signature:
+    from serving_agent.textgen import read_config  # torch: imported only for such uploads
+
+    try:
+        with contents(upload) as data:
+            read_config(data)  # reads the header, and only the size of the rest
+    except ValueError as exc:
+        raise SignatureError("artifact", f"not a valid text-generation artifact: {exc}") from None
+    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
+
+
+def _check_hf(upload: File) -> Signature:
+    upload.seek(0)
+    check_hf_archive(on_disk(upload) or upload)
+    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
+
+
+def _check_torch(upload: File) -> Signature:
+    """A torch.export archive's signature, read from its JSON: nothing in it runs here."""
+    path = on_disk(upload)
+    try:
+        if path is not None:
+            archive = read_archive(path)
+        else:
+            upload.seek(0)
+            archive = read_archive(io.BytesIO(upload.read()))
+    except ArchiveError as exc:
+        raise SignatureError("artifact", f"not a valid torch.export archive: {exc}") from None
+    return archive.inputs, archive.outputs
+
+
+FORMATS: dict[str, Format] = {
+    f.value: f
+    for f in (
+        # An ONNX graph, run by ONNX Runtime. Classic ML (scikit-learn, XGBoost, LightGBM) is
+        # uploaded converted to ONNX (skl2onnx, onnxmltools), so it is this format too.
+        Format(
+            "onnx",
+            "ONNX",
+            platform="onnxruntime_onnx",
+            check=_check_onnx,
+            extension="onnx",
+            takes_tokenizer=True,
+            quantizable=True,
+        ),
+        # Safetensors weights of the known decoder-only architecture (serving_agent.textgen):
+        # no pickle, so loading a tenant's upload runs no code. Served by Switchyard's own
+        # generation engine, which no other server names.
+        Format(
+            "textgen",
+            "Text generation (safetensors)",
+            platform="switchyard_textgen",
+            check=_check_textgen,
+            extension="safetensors",
+            generates_text=True,
+        ),
+        # A Hugging Face causal LM as one archive: config.json of a supported architecture,
+        # *.safetensors weights and tokenizer.json; refused at upload if anything needs pickle
+        # or remote code. The agent runs it with transformers. The archive may be a tar, a
+        # gzipped tar or a zip (the agent looks at its first bytes), so no usual extension fits.
+        Format(
+            "hf",
+            "Hugging Face causal LM (archive)",
+            platform="huggingface_transformers",
+            check=_check_hf,
+            extension="hf",
+            generates_text=True,
+            tokenizes_on_agent=True,
+        ),
+        # A torch model exported without arbitrary unpickling (torch.export archive), run as
+        # the exported program in Python torch: Triton's "pytorch_libtorch" names TorchScript
+        # run by libtorch, which is refused here.
+        Format(
+            "torch",
+            "torch (exported program)",
+            platform="pytorch",
+            check=_check_torch,
+            extension="pt2",
+        ),
+    )
+}
+# What an upload is when it does not say.
+DEFAULT_FORMAT = "onnx"
+
+
+def format_choices() -> list[tuple[str, str]]:
+    """``ModelVersion.format``'s choices. A callable, so that a new format changes no migration
+    (Django stores a reference to it, not the list)."""
+    return [(f.value, f.label) for f in FORMATS.values()]
+
+
+def format_of(value: str) -> Format:
+    """The table's entry for a format value; an unknown one is refused like a bad field."""
+    try:
+        return FORMATS[value]
+    except KeyError:
+        raise SignatureError("format", f"must be one of {sorted(FORMATS)}") from None
+
+
+def labels_where(wanted: Callable[[Format], bool]) -> str:
+    """The labels of the formats with a property, for messages ("ONNX", "ONNX or torch")."""
+    return " or ".join(f.label for f in FORMATS.values() if wanted(f))
