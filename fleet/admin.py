@@ -45,7 +45,7 @@ class LiveReplicas(TypedDict):
 
 
 @admin.register(Node)
-class NodeAdmin(AuditedAdmin):
+class NodeAdmin(AuditedAdmin[Node]):
     list_display = ["name", "tenant", "enabled", "last_seen_at"]
     readonly_fields = ["token_prefix", "facts", "last_seen_at", "created_at"]
     actions = ["rotate_token"]
@@ -83,7 +83,7 @@ class NodeAdmin(AuditedAdmin):
 
 
 @admin.register(AgentSession)
-class AgentSessionAdmin(admin.ModelAdmin):
+class AgentSessionAdmin(admin.ModelAdmin[AgentSession]):
     """Read-only: agents write these rows (hello, status, heartbeats); the list shows each
     connection's health and load as its last heartbeat reported them."""
 
@@ -151,7 +151,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
 
 
 @admin.register(GatewayProcess)
-class GatewayProcessAdmin(admin.ModelAdmin):
+class GatewayProcessAdmin(admin.ModelAdmin[GatewayProcess]):
     """Read-only: each gateway process registers itself and the address agents' data links
     use; a row unseen for ``LIVE_S`` is a process that died without removing itself."""
 
@@ -176,7 +176,7 @@ def _mib(size: int | None) -> str:
 
 
 @admin.register(Pool)
-class PoolAdmin(AuditedAdmin):
+class PoolAdmin(AuditedAdmin[Pool]):
     list_display = ["name", "backend", "namespace", "spot", "description", "deployment_count"]
     list_filter = ["spot", "backend"]
     search_fields = ["name", "description"]
@@ -192,7 +192,7 @@ class PoolAdmin(AuditedAdmin):
 DECISION_FIELDS = ("created_at", "current", "desired", "accepted", "dry_run", "reason", "error")
 
 
-class DecisionInline(admin.TabularInline):
+class DecisionInline(admin.TabularInline[ScalingDecision, Deployment]):
     """The last minutes only: at one decision per control-loop pass a day holds thousands; the
     scaling decisions' own list has them all."""
 
@@ -223,7 +223,7 @@ AUTOSCALER_FIELDS = [
 
 
 @admin.register(Deployment)
-class DeploymentAdmin(admin.ModelAdmin):
+class DeploymentAdmin(admin.ModelAdmin[Deployment]):
     """Changes go through the same functions as the API (audited, locked, saving only what
     changed); ``desired_replicas`` is read-only: only the autoscaler moves it, after the
     cluster accepted the scale. Live replicas are the agents connected for it now."""
@@ -279,7 +279,7 @@ class DeploymentAdmin(admin.ModelAdmin):
 
 
 @admin.register(ScalingDecision)
-class ScalingDecisionAdmin(admin.ModelAdmin):
+class ScalingDecisionAdmin(admin.ModelAdmin[ScalingDecision]):
     list_display = [
         "created_at",
         "deployment",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Signal:
 class Decision:
     desired: int
     reason: str
-    inputs: dict  # what the decision saw, stored with it
+    inputs: dict[str, Any]  # what the decision saw, stored with it
 
 
 def recommend(policy: ScalingPolicy, signal: Signal) -> tuple[int, str]:

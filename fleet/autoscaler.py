@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, fields
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Sum
@@ -111,7 +112,7 @@ def template_hash(template: AgentTemplate) -> str:
 
 def gather_signal(
     deployment: Deployment, now: datetime, last: ScalingDecision | None
-) -> tuple[Signal, dict]:
+) -> tuple[Signal, dict[str, Any]]:
     """What the deployment's replicas report now, and what the decision should store."""
     replicas = list(live_sessions().filter(deployment=deployment).select_related("node"))
     vid = deployment.version_id

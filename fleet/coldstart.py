@@ -4,6 +4,7 @@ the client is told how the start is going while it waits."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from django.utils import timezone
 
@@ -39,7 +40,7 @@ COLD_STAGES = [
 ]
 
 
-def cold_start_progress(version_id: int) -> dict:
+def cold_start_progress(version_id: int) -> dict[str, Any]:
     """Where a cold start of this version stands, for a client told to wait."""
     deployments = Deployment.objects.filter(version_id=version_id)
     replicas = live_sessions().filter(deployment__in=deployments)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import transaction
@@ -107,7 +107,7 @@ def open_session(node: Node, channel_name: str, hello: Hello) -> AgentSession:
     return session
 
 
-def record_heartbeat(session_id: int, node_id: int, stats: dict) -> None:
+def record_heartbeat(session_id: int, node_id: int, stats: dict[str, Any]) -> None:
     now = timezone.now()
     with transaction.atomic():
         previous = AgentSession.objects.filter(pk=session_id).values_list("stats", flat=True)

@@ -586,13 +586,13 @@ def gather(model: Model, window: timedelta = WINDOW) -> Facts:
 
 def _loads(
     session: AgentSession, ours: dict[int, ModelVersion]
-) -> tuple[list[tuple[int, dict, float]], int, float, float]:
+) -> tuple[list[tuple[int, dict[str, Any], float]], int, float, float]:
     """The model's versions in a session's heartbeat (with their load and load time), the
     memory and run time of the others it holds, and the time its totals cover."""
     stats = session.stats if isinstance(session.stats, dict) else {}
     loads = stats.get("versions")
     span = max((session.last_heartbeat_at - session.connected_at).total_seconds(), 0.0)
-    held: list[tuple[int, dict, float]] = []
+    held: list[tuple[int, dict[str, Any], float]] = []
     other_memory, other_run_s = 0, 0.0
     ready = set(session.ready_versions or [])
     for load in loads if isinstance(loads, list) else []:

@@ -19,7 +19,7 @@ from . import usage
 from .models import Price
 
 
-class DefaultPriceForm(forms.ModelForm):
+class DefaultPriceForm(forms.ModelForm[Price]):
     class Meta:
         model = Price
         fields = ["resource", "unit_price"]
@@ -34,7 +34,7 @@ class DefaultPriceForm(forms.ModelForm):
 
 
 @admin.register(Price)
-class PriceAdmin(admin.ModelAdmin):
+class PriceAdmin(admin.ModelAdmin[Price]):
     """Default prices (no tenant) are edited here; a tenant's own are shown."""
 
     form = DefaultPriceForm

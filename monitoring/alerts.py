@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -43,7 +44,7 @@ def raise_alert(
     *,
     model_id: int | None = None,
     severity: str = "warning",
-    details: dict | None = None,
+    details: dict[str, Any] | None = None,
 ) -> tuple[Alert, bool]:
     """Open an alert for this condition, or refresh the open one; returns (alert, new)."""
     now = timezone.now()
@@ -149,7 +150,7 @@ def set_webhook_url(tenant_id: int, url: str, actor: Actor) -> Tenant:
     return tenant
 
 
-def slack_payload(alert: Alert) -> dict:
+def slack_payload(alert: Alert) -> dict[str, Any]:
     """Slack's incoming-webhook shape: ``text`` for notifications, a block for the body."""
     icon = ":rotating_light:" if alert.severity == "critical" else ":warning:"
     text = f"{icon} [{alert.tenant.slug}] {alert.title}"

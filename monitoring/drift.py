@@ -141,7 +141,7 @@ class Profile:
         return float(np.max(self.numbers))
 
 
-def profile(values: list) -> Profile | None:
+def profile(values: list[Any]) -> Profile | None:
     """The reference profile of one feature, or None when it holds no usable value."""
     types = Counter(t for t in map(value_type, values) if t in ("number", "string", "boolean"))
     if not types:
@@ -153,7 +153,7 @@ def profile(values: list) -> Profile | None:
     return Profile("categorical", vtype, [category(v) for v in valid])
 
 
-def split_window(values: list, ref: Profile) -> tuple[list, dict[str, int]]:
+def split_window(values: list[Any], ref: Profile) -> tuple[list[Any], dict[str, int]]:
     """The window's valid values of one feature and its quality counts: nulls, out of range
     (outside the reference's [min, max], or a category the reference never had) and schema
     violations (the feature missing from a request, or a value of another type)."""
@@ -175,7 +175,7 @@ def split_window(values: list, ref: Profile) -> tuple[list, dict[str, int]]:
     return valid, {"nulls": nulls, "out_of_range": out, "schema": schema}
 
 
-def compare(ref: Profile, valid: list, threshold: float) -> dict:
+def compare(ref: Profile, valid: list[Any], threshold: float) -> dict[str, Any]:
     """One feature's (or the scores') entry of a report: distances and chart histograms."""
     entry: dict[str, Any] = {"kind": ref.kind, "values": len(valid)}
     if len(valid) < MIN_ROWS:
@@ -229,8 +229,8 @@ def category_shares(
 class Window:
     """Logged predictions as columns (``MISSING`` where a request lacked a feature)."""
 
-    columns: dict[str, list]
-    scores: list
+    columns: dict[str, list[Any]]
+    scores: list[Any]
     rows: int
 
 
@@ -259,7 +259,7 @@ def read_window(version_id: int, start: datetime, end: datetime, limit: int = MA
         if rows >= limit:
             break
     names = sorted({name for inputs, _ in batches for name in inputs})
-    columns: dict[str, list] = {name: [] for name in names}
+    columns: dict[str, list[Any]] = {name: [] for name in names}
     for inputs, n in batches:
         for name in names:
             col = inputs.get(name)
@@ -272,8 +272,8 @@ def read_window(version_id: int, start: datetime, end: datetime, limit: int = MA
 
 
 def compare_columns(
-    reference: dict[str, list], window: Window, threshold: float
-) -> tuple[dict, dict]:
+    reference: dict[str, list[Any]], window: Window, threshold: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-feature report entries and quality counts; a feature the reference lacks is a
     schema violation on every row that carries a value for it."""
     features, quality = {}, {}
@@ -290,7 +290,9 @@ def compare_columns(
     return features, quality
 
 
-def compare_scores(reference: list, current: list, threshold: float) -> dict | None:
+def compare_scores(
+    reference: list[Any], current: list[Any], threshold: float
+) -> dict[str, Any] | None:
     ref = profile(reference)
     if ref is None or len(ref.values) < MIN_ROWS:
         return None
@@ -423,8 +425,8 @@ class ArmDrift:
     (so the same traffic, split by the plan): the scores decide, the inputs inform (both arms
     see the same input drift, which says nothing against the candidate)."""
 
-    score: dict | None  # ``compare``'s entry for the candidate's scores vs the baseline's
-    features: dict[str, dict]  # per input feature, the same: for information only
+    score: dict[str, Any] | None  # ``compare``'s entry for the candidate's scores vs the baseline's
+    features: dict[str, dict[str, Any]]  # per input feature, the same: for information only
     rows_baseline: int
     rows_candidate: int
     threshold: float
@@ -464,7 +466,7 @@ def compare_arms(
     return ArmDrift(score, features, base.rows, cand.rows, threshold)
 
 
-def evidence(version_id: int) -> dict | None:
+def evidence(version_id: int) -> dict[str, Any] | None:
     """The candidate's latest drift report, as an approval's evidence shows it."""
     report = latest_report(version_id)
     if report is None:
@@ -508,7 +510,7 @@ def set_reference_window(
     return save_reference(version, actor, "window", columns, scores, len(keep), start, end)
 
 
-def reference_summary(sample: ReferenceSample) -> dict[str, dict]:
+def reference_summary(sample: ReferenceSample) -> dict[str, dict[str, Any]]:
     """Per feature of a reference: kind, type, non-null count, nulls, and range or top
     categories (what the API's GET shows)."""
     summary: dict[str, dict[str, Any]] = {}

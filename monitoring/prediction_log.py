@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 import numpy as np
 import orjson
@@ -22,7 +23,7 @@ NUMPY = orjson.OPT_SERIALIZE_NUMPY
 PURGE_CHUNK = 5000
 
 
-def score_output(task: str, outputs: Sequence[dict]) -> str | None:
+def score_output(task: str, outputs: Sequence[dict[str, Any]]) -> str | None:
     """The output whose rows give the score: a classifier's probabilities (its first float
     output of two dimensions, not a label output), else the first output."""
     if not outputs:
@@ -76,7 +77,7 @@ def _sigmoid(a: np.ndarray) -> np.ndarray:
         return 1 / (1 + np.exp(-a))
 
 
-def _finite_list(a: np.ndarray) -> list:
+def _finite_list(a: np.ndarray) -> list[Any]:
     """``tolist()`` with NaN and infinities as None: PostgreSQL's JSON refuses them."""
     if a.dtype.kind == "f" and not np.isfinite(a).all():
         a = a.astype(object)
@@ -91,7 +92,7 @@ def _text(value: object) -> object:
     return value.decode("utf-8", "replace").replace("\x00", "\ufffd")
 
 
-def jsonable(a: np.ndarray) -> list:
+def jsonable(a: np.ndarray) -> list[Any]:
     if a.dtype.kind in "OS":  # BYTES tensors
         return np.vectorize(_text, otypes=[object])(a).tolist() if a.size else a.tolist()
     try:
@@ -131,7 +132,7 @@ def purge_expired_logs(now: datetime | None = None) -> dict[str, int]:
     return {"prediction_logs": logs, "feedback": feedback}
 
 
-def _delete_in_chunks(rows: QuerySet) -> int:
+def _delete_in_chunks(rows: QuerySet[Any]) -> int:
     total = 0
     while True:
         ids = list(rows.order_by().values_list("pk", flat=True)[:PURGE_CHUNK])

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import numpy as np
 from django.db.models import Count, Exists, OuterRef, QuerySet, Subquery
@@ -32,7 +33,7 @@ _IN_CHUNK = 1000  # ids per IN (...) list, well inside every backend's parameter
 # Feedback ------------------------------------------------------------------------------------
 
 
-def record_feedback(tenant_id: int, items: Sequence[dict]) -> tuple[int, int]:
+def record_feedback(tenant_id: int, items: Sequence[dict[str, Any]]) -> tuple[int, int]:
     """Store labels by request id, replacing any sent before (a correction); returns (accepted,
     how many of them match a logged prediction so far). A request id sent twice in one call
     keeps its last label."""
@@ -119,9 +120,9 @@ class LabelledGroup:
     labels: list[float] = field(default_factory=list)
     binary: bool = True
 
-    def metrics(self, task: str) -> dict:
+    def metrics(self, task: str) -> dict[str, Any]:
         n = len(self.labels)
-        out: dict = {"logged": self.logged, "labelled": self.labelled, "labelled_rows": n}
+        out: dict[str, Any] = {"logged": self.logged, "labelled": self.labelled, "labelled_rows": n}
         if task == TaskKind.CLASSIFIER:
             hits = sum(p == y for p, y in zip(self.predicted, self.labels, strict=True))
             out["accuracy"] = hits / n if n else None
@@ -132,7 +133,9 @@ class LabelledGroup:
             out["mae"] = sum(errors) / n if n else None
         return out
 
-    def add(self, task: str, scores: list, score_rows: list | None, label: object) -> None:
+    def add(
+        self, task: str, scores: list[Any], score_rows: list[Any] | None, label: object
+    ) -> None:
         """One labelled request. Its label is one value per row (a list) or a single value
         for a one-row request; a label of another length cannot be paired and is left out."""
         labels = label if isinstance(label, list) else [label]
@@ -159,14 +162,17 @@ def _score_names(versions: Iterable[ModelVersion]) -> dict[int, str | None]:
     return {v.pk: score_output(v.model.task, v.outputs) for v in versions}
 
 
+_K = TypeVar("_K", bound=Hashable)  # what requests are grouped by
+
+
 def _tally(
     logs: QuerySet[PredictionLog],
     task_of: dict[int, str],
     score_names: dict[int, str | None],
-    key: Callable[[dict], Hashable],
-) -> dict:
+    key: Callable[[dict[str, Any]], _K],
+) -> dict[_K, LabelledGroup]:
     """Tallies of ``logs``' successful, labelled requests grouped by ``key(row)``."""
-    tallies: dict = defaultdict(LabelledGroup)
+    tallies: dict[_K, LabelledGroup] = defaultdict(LabelledGroup)
     has_label = Exists(
         Feedback.objects.filter(tenant_id=OuterRef("tenant_id"), request_id=OuterRef("request_id"))
     )
@@ -192,7 +198,7 @@ def _bucket_start(at: datetime, bucket: str) -> datetime:
 
 def online_quality(
     tenant_id: int, model: Model, since: datetime, bucket: str = "hour"
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Per version, arm and time bucket (by prediction time, UTC) since ``since``: successful
     requests logged, how many of them are labelled, the rows those labels cover, and the
     quality metrics over those rows. Sorted by bucket, version, arm."""
@@ -203,7 +209,7 @@ def online_quality(
     number = {v.pk: v.version for v in versions}
     task_of = {v.pk: model.task for v in versions}
 
-    def key(row: dict) -> tuple:
+    def key(row: dict[str, Any]) -> tuple[datetime, int, str]:
         return (_bucket_start(row["created_at"], bucket), row["version_id"], row["arm"])
 
     tallies = _tally(logs, task_of, _score_names(versions), key)
@@ -227,7 +233,7 @@ def online_quality(
     ]
 
 
-def quality_by_version(version_ids: Sequence[int], since: datetime) -> dict[int, dict]:
+def quality_by_version(version_ids: Sequence[int], since: datetime) -> dict[int, dict[str, Any]]:
     """Online quality of each version since ``since``, all arms together: the counts of
     ``online_quality`` with accuracy and AUC (classifiers) or MAE (regressors). For rollout
     guardrails and A/B evidence; callers pass versions they already looked up within the

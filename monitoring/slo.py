@@ -26,6 +26,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db.models import BigIntegerField, F, Q, Sum, Value
@@ -146,7 +147,7 @@ def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
     }
 
 
-def sli_status(model: Model, sli: str, tallies: dict[str, WindowCounts]) -> dict:
+def sli_status(model: Model, sli: str, tallies: dict[str, WindowCounts]) -> dict[str, Any]:
     """One SLI of a model: objective, value over the SLO window, budget left, burn rates and
     the alert rule that holds now (if any)."""
     objective = objective_of(model, sli)
@@ -168,7 +169,7 @@ def sli_status(model: Model, sli: str, tallies: dict[str, WindowCounts]) -> dict
     }
 
 
-def model_slos(model: Model, now: datetime | None = None) -> dict:
+def model_slos(model: Model, now: datetime | None = None) -> dict[str, Any]:
     """Both SLIs of a model, as the SLO page, its JSON and the alerting read them."""
     now = now or timezone.now()
     tallies = model_tallies(model, now)
@@ -208,7 +209,9 @@ def error_budget_spent(model: Model, now: datetime | None = None) -> list[str]:
     return spent
 
 
-def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HOURS) -> dict:
+def burn_series(
+    model: Model, now: datetime | None = None, hours: int = CHART_HOURS
+) -> dict[str, Any]:
     """The 1 h and 5 m burn rates of both SLIs at every minute of the last ``hours``, for the
     chart: ``{"t": [...], "availability_1h": [...], ...}``; None where a window saw no requests."""
     now = now or timezone.now()
@@ -232,7 +235,7 @@ def burn_series(model: Model, now: datetime | None = None, hours: int = CHART_HO
         row["minute"]: WindowCounts(row["requests"], row["errors"], row["fast"] or 0)
         for row in minutes
     }
-    series: dict[str, list] = {"t": []}
+    series: dict[str, list[Any]] = {"t": []}
     for sli in SLIS:
         for window in CHART_WINDOWS:
             series[f"{sli}_{window}"] = []
@@ -303,7 +306,9 @@ def evaluate_model(model: Model, now: datetime | None = None) -> dict[str, str |
     return done
 
 
-def burn_message(sli: dict, long: str, short: str, rate: float, window_days: float) -> str:
+def burn_message(
+    sli: dict[str, Any], long: str, short: str, rate: float, window_days: float
+) -> str:
     burn = sli["burn"][long]
     objective = f"{sli['objective'] * 100:g} %"
     what = (

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Sum
 from django.utils import timezone
@@ -182,7 +183,7 @@ class ArmStats:
     def p99_ms(self) -> float:
         return self.percentile_ms(0.99)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         def finite(ms: float) -> float | None:
             # JSON has no infinity: the open-ended bucket reads as "above the last bound".
             return ms if ms != float("inf") else None
@@ -205,7 +206,7 @@ def _sum_buckets(rows: Iterable[Sequence[int]]) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def sum_fine(rows: Iterable[Mapping]) -> dict[int, int]:
+def sum_fine(rows: Iterable[Mapping[str, Any]]) -> dict[int, int]:
     """Sum sparse fine histograms (JSON turns their keys into strings)."""
     total: dict[int, int] = {}
     for sample in rows:
@@ -249,7 +250,7 @@ def timeseries(
     step_s: int = 10,
     *,
     plan_id: int | None = None,
-) -> dict[str, list[dict]]:
+) -> dict[str, list[dict[str, Any]]]:
     """Per arm, one point per ``step_s``: requests/s, error rate and p99 over that step. With
     ``plan_id``, each arm's own requests under that plan (an A/B plan's arms may share a
     version); without, the versions' requests."""
@@ -264,14 +265,14 @@ def timeseries(
         rows = rows.filter(plan_id=plan_id, arm__in=list(version_ids))
         key_field, keys = "arm", {name: name for name in version_ids}
     values = rows.values_list(key_field, "window_end", "requests", "errors", "latency_buckets")
-    slots: dict[tuple[int | str, int], list] = {}
+    slots: dict[tuple[int | str, int], list[Any]] = {}
     for vid, end, requests, errors, buckets in values:
         slot = int((end - start).total_seconds() // step_s)
         acc = slots.setdefault((vid, slot), [0, 0, []])
         acc[0] += requests
         acc[1] += errors
         acc[2].append(buckets)
-    series: dict[str, list[dict]] = {}
+    series: dict[str, list[dict[str, Any]]] = {}
     for name, vid in keys.items():
         points = []
         for (v, slot), (requests, errors, hist) in sorted(slots.items(), key=lambda s: s[0][1]):
@@ -291,7 +292,7 @@ def timeseries(
     return series
 
 
-def versions_summary(version_ids: list[int], window_s: int = 60) -> dict:
+def versions_summary(version_ids: list[int], window_s: int = 60) -> dict[str, Any]:
     """Request rate, error rate and p99 over the last ``window_s`` across these versions."""
     since = timezone.now() - timedelta(seconds=window_s)
     rows = TrafficSample.objects.filter(version_id__in=version_ids, window_end__gte=since)

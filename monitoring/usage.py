@@ -329,7 +329,7 @@ def usage_in(tenant_id: int | None, window: Window) -> QuerySet[UsageDay]:
     return rows
 
 
-def grouped(rows: QuerySet[UsageDay], group: str, by_tenant: bool = False) -> list[dict]:
+def grouped(rows: QuerySet[UsageDay], group: str, by_tenant: bool = False) -> list[dict[str, Any]]:
     """Sums per day, model or version (and per tenant for operators), in a stable order."""
     keys = {
         "day": ["day"],

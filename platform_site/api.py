@@ -13,7 +13,7 @@ from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 
 
-def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+def validated(serializer_class: type[serializers.Serializer[Any]], data: Any) -> dict[str, Any]:
     """The body or query parameters checked by ``serializer_class``; a 400 naming each bad
     field otherwise."""
     checked = serializer_class(data=data)

@@ -18,9 +18,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import dj_database_url
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from platform_site.secret_files import install_secret, private_file
+
+# Generic Django classes (ModelAdmin[Tenant], QuerySet[Model]) subscriptable at run time, as the
+# type checker reads them.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ from .signature import SignatureError
 
 
 @admin.register(Model)
-class ModelAdmin(AuditedAdmin):
+class ModelAdmin(AuditedAdmin[Model]):
     list_display = ["name", "tenant", "task", "created_at"]
     list_filter = ["tenant", "task"]
     search_fields = ["name"]
@@ -89,7 +89,7 @@ class VersionChangeForm(forms.ModelForm):
 
 
 @admin.register(ModelVersion)
-class ModelVersionAdmin(AuditedAdmin):
+class ModelVersionAdmin(AuditedAdmin[ModelVersion]):
     audits_saves = False  # uploads and setting changes go through the audited services
 
     list_display = ["__str__", "sha256", "format", "device", "created_at"]

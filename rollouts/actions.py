@@ -40,7 +40,7 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-def check_guardrails(guardrails: Any) -> dict:
+def check_guardrails(guardrails: Any) -> dict[str, Any]:
     """A plan cannot start without guardrails: each threshold present and sensible."""
     keys = set(guardrails) if isinstance(guardrails, dict) else set()
     if keys - OPTIONAL_GUARDRAIL_KEYS != GUARDRAIL_KEYS:
@@ -294,7 +294,7 @@ def cancel_open_requests(plan: RolloutPlan, actor: Actor, reason: str) -> None:
         audit(req.tenant_id, actor, "approval.cancel", str(req), before, req.snapshot(), reason)
 
 
-def _state(plan: RolloutPlan) -> dict:
+def _state(plan: RolloutPlan) -> dict[str, Any]:
     return {
         "state": plan.state,
         "weight": plan.weight,

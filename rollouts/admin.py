@@ -5,11 +5,12 @@ a promotion request instead of moving."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.db.models import Model
 from django.http import HttpRequest
 
 from platform_site.errors import Conflict, Forbidden
@@ -27,11 +28,15 @@ from .models import (
     RolloutPolicy,
 )
 
+# Any model: the audited/read-only bases are generic over the admin's model.
+_M = TypeVar("_M", bound=Model)
+
+
 if TYPE_CHECKING:
     from django.utils.functional import _StrOrPromise as StrOrPromise
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(admin.ModelAdmin[_M]):
     """Shown, never changed here: the API and the web UI change these under their rules."""
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
@@ -48,7 +53,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 
 @admin.register(RolloutPolicy)
-class RolloutPolicyAdmin(ReadOnlyAdmin):
+class RolloutPolicyAdmin(ReadOnlyAdmin[RolloutPolicy]):
     """Set by an approver through the API (``PUT /api/v1/policy``), audited there."""
 
     list_display = ["__str__", "tenant", "approvals_needed", "updated_by", "updated_at"]
@@ -56,7 +61,7 @@ class RolloutPolicyAdmin(ReadOnlyAdmin):
 
 
 @admin.register(FreezeOverride)
-class FreezeOverrideAdmin(ReadOnlyAdmin):
+class FreezeOverrideAdmin(ReadOnlyAdmin[FreezeOverride]):
     list_display = ["__str__", "created_label", "reason", "created_at"]
 
 
@@ -72,7 +77,7 @@ def admin_actor(request: HttpRequest, tenant_id: int) -> Actor:
 
 
 @admin.register(Alias)
-class AliasAdmin(admin.ModelAdmin):
+class AliasAdmin(admin.ModelAdmin[Alias]):
     list_display = ["__str__", "model", "name", "version", "updated_at", "updated_by"]
     list_filter = ["model__tenant"]
     readonly_fields = ["updated_by", "updated_at"]
@@ -118,7 +123,7 @@ class AliasAdmin(admin.ModelAdmin):
         super().message_user(request, message, level, extra_tags, fail_silently)
 
 
-class ApprovalVoteInline(admin.TabularInline):
+class ApprovalVoteInline(admin.TabularInline[ApprovalVote, ApprovalRequest]):
     model = ApprovalVote
     extra = 0
     can_delete = False
@@ -128,7 +133,7 @@ class ApprovalVoteInline(admin.TabularInline):
         return False
 
 
-class PlanArmInline(admin.TabularInline):
+class PlanArmInline(admin.TabularInline[PlanArm, RolloutPlan]):
     model = PlanArm
     extra = 0
     can_delete = False
@@ -142,7 +147,7 @@ class PlanArmInline(admin.TabularInline):
 
 
 @admin.register(RolloutPlan)
-class RolloutPlanAdmin(ReadOnlyAdmin):
+class RolloutPlanAdmin(ReadOnlyAdmin[RolloutPlan]):
     """View only: weights and arms change through the API (``approvals.change_weight`` and
     ``change_arms``), under the rollout policy."""
 
@@ -152,7 +157,7 @@ class RolloutPlanAdmin(ReadOnlyAdmin):
 
 
 @admin.register(ApprovalRequest)
-class ApprovalRequestAdmin(admin.ModelAdmin):
+class ApprovalRequestAdmin(admin.ModelAdmin[ApprovalRequest]):
     """Read-only: decisions go through the approvals inbox or the API, which check the role,
     the four-eyes rule and the row locks."""
 

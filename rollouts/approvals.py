@@ -391,7 +391,7 @@ def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
         return False, note
 
 
-def online_quality_evidence(req: ApprovalRequest, since: datetime) -> dict[str, dict]:
+def online_quality_evidence(req: ApprovalRequest, since: datetime) -> dict[str, dict[str, Any]]:
     """Both versions' online quality from ground-truth feedback since ``since``."""
     pairs = [("baseline", req.from_version_id), ("candidate", req.to_version_id)]
     ids = [vid for _, vid in pairs if vid is not None]
@@ -399,7 +399,7 @@ def online_quality_evidence(req: ApprovalRequest, since: datetime) -> dict[str, 
     return {name: measured.get(vid, {}) for name, vid in pairs if vid is not None}
 
 
-def evidence_now(req: ApprovalRequest) -> dict:
+def evidence_now(req: ApprovalRequest) -> dict[str, Any]:
     """Per-arm metrics and their diff, the shadow agreement, offline metrics and the
     candidate's latest drift report (None when it has none)."""
     offline = {
@@ -439,7 +439,7 @@ def evidence_now(req: ApprovalRequest) -> dict:
     }
 
 
-def evidence_of(req: ApprovalRequest) -> dict:
+def evidence_of(req: ApprovalRequest) -> dict[str, Any]:
     """Frozen evidence once decided; live while pending."""
     return req.evidence if req.evidence is not None else evidence_now(req)
 

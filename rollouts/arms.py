@@ -11,6 +11,7 @@ never counted as the version's traffic.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Sum
@@ -34,7 +35,7 @@ def plan_arms(plan: RolloutPlan) -> list[tuple[str, int, float]]:
     return arms
 
 
-def shadow_stats(plan: RolloutPlan, since: datetime) -> dict:
+def shadow_stats(plan: RolloutPlan, since: datetime) -> dict[str, Any]:
     """The shadow copies' outcome as an arm's numbers (no latency is kept for them)."""
     totals = plan.shadow_samples.filter(window_end__gte=since).aggregate(
         answered=Sum("answered"), failed=Sum("failed")
@@ -51,7 +52,7 @@ def shadow_stats(plan: RolloutPlan, since: datetime) -> dict:
     }
 
 
-def arm_numbers(plan: RolloutPlan, name: str, version_id: int, since: datetime) -> dict:
+def arm_numbers(plan: RolloutPlan, name: str, version_id: int, since: datetime) -> dict[str, Any]:
     if name == "shadow":
         return shadow_stats(plan, since)
     if plan.mode == PlanMode.AB:
@@ -59,7 +60,7 @@ def arm_numbers(plan: RolloutPlan, name: str, version_id: int, since: datetime) 
     return arm_stats(version_id, since).as_dict()
 
 
-def plan_arm_metrics(plan: RolloutPlan, since: datetime | None = None) -> list[dict]:
+def plan_arm_metrics(plan: RolloutPlan, since: datetime | None = None) -> list[dict[str, Any]]:
     """Each arm's numbers since ``since`` (default: since the plan started)."""
     since = since or plan.created_at
     versions = dict(plan.model.versions.values_list("pk", "version"))
@@ -70,7 +71,7 @@ def plan_arm_metrics(plan: RolloutPlan, since: datetime | None = None) -> list[d
     ]
 
 
-def metrics_diff(arms: list[dict]) -> dict | None:
+def metrics_diff(arms: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Candidate minus baseline for the numbers an approver compares (canary and shadow)."""
     by_name = {a["arm"]: a for a in arms}
     base = by_name.get("baseline")
@@ -87,7 +88,7 @@ def metrics_diff(arms: list[dict]) -> dict | None:
 # The guardrails' changes to an A/B plan ----------------------------------------------------------
 
 
-def _weights(plan: RolloutPlan) -> dict:
+def _weights(plan: RolloutPlan) -> dict[str, Any]:
     return {"arms": {a.name: a.weight for a in plan.arms.all()}, "ab_result": plan.ab_result}
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.utils import timezone
 
@@ -62,7 +63,7 @@ class Verdict:
     reason: str
 
 
-def alpha_of(guardrails: dict) -> float:
+def alpha_of(guardrails: dict[str, Any]) -> float:
     return float(guardrails.get("alpha") or DEFAULT_ALPHA)
 
 
@@ -78,7 +79,7 @@ def pct(rate: float) -> str:
 # The checks: each returns why the candidate breaches, or None ---------------------------------
 
 
-def early_abort(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | None:
+def early_abort(guardrails: dict[str, Any], base: ArmStats, cand: ArmStats) -> str | None:
     """Egregious failure before ``min_samples``: the candidate's error rate's lower bound at a
     tiny alpha is past the baseline's upper bound plus a large margin."""
     if cand.requests < EARLY_MIN_REQUESTS:
@@ -95,7 +96,7 @@ def early_abort(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | None:
     )
 
 
-def error_breach(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | None:
+def error_breach(guardrails: dict[str, Any], base: ArmStats, cand: ArmStats) -> str | None:
     allowed = float(guardrails["max_error_rate_increase"])
     test = error_excess(
         (base.errors, base.requests), (cand.errors, cand.requests), allowed, alpha_of(guardrails)
@@ -115,7 +116,7 @@ def error_breach(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | None
 QUANTILES = (0.99, 0.95, 0.9, 0.75, 0.5)
 
 
-def latency_breach(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | None:
+def latency_breach(guardrails: dict[str, Any], base: ArmStats, cand: ArmStats) -> str | None:
     """The p99 past ``max_p99_ratio`` x the baseline's, beyond sampling error."""
     limit = float(guardrails["max_p99_ratio"])
     alpha = alpha_of(guardrails) / 2  # two bounds, one alpha
@@ -137,7 +138,9 @@ def latency_breach(guardrails: dict, base: ArmStats, cand: ArmStats) -> str | No
     )
 
 
-def quality_breach(guardrails: dict, quality: tuple[dict, dict], need: int) -> str | None:
+def quality_breach(
+    guardrails: dict[str, Any], quality: tuple[dict[str, Any], dict[str, Any]], need: int
+) -> str | None:
     """Why the candidate's online quality is worse than allowed, or None (also while either
     arm has fewer than ``need`` labelled rows: labels arrive late)."""
     allowed = guardrails.get("max_quality_drop")
@@ -170,12 +173,12 @@ def drift_breach(drift: ArmDrift | None, limit: float | None) -> str | None:
 
 
 def first_breach(
-    guardrails: dict,
+    guardrails: dict[str, Any],
     base: ArmStats,
     cand: ArmStats,
     drift: ArmDrift | None = None,
     drift_limit: float | None = None,
-    quality: tuple[dict, dict] | None = None,
+    quality: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> str | None:
     """The first guardrail the candidate breaches: before ``min_samples`` only an egregious
     failure counts; from there every check."""
@@ -195,14 +198,14 @@ def first_breach(
 
 
 def judge(
-    guardrails: dict,
+    guardrails: dict[str, Any],
     base: ArmStats,
     cand: ArmStats,
     baked: bool,
     last_step: bool,
     drift: ArmDrift | None = None,
     drift_limit: float | None = None,
-    quality: tuple[dict, dict] | None = None,
+    quality: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> Verdict:
     """A canary's decision for one look, from the two arms' numbers, the candidate's drift
     against the baseline and, when the plan asks, both arms' online quality."""
@@ -225,7 +228,7 @@ def judge(
 
 
 def stall_reason(
-    guardrails: dict, counts: dict[str, int], elapsed_s: float, bake_s: float
+    guardrails: dict[str, Any], counts: dict[str, int], elapsed_s: float, bake_s: float
 ) -> str | None:
     """Why a step waiting for data will not get it in time: past its bake time, the slowest
     arm's observed request rate will not reach ``min_samples`` within ``stall_hours``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
@@ -207,7 +209,7 @@ class ApprovalRequest(models.Model):
         """Approvers who said yes so far (of ``approvals_needed``)."""
         return sum(1 for vote in self.votes.all() if vote.approved)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The request as an audit event's before/after records it."""
         return {
             "state": self.state,
@@ -294,7 +296,7 @@ class RolloutPolicy(models.Model):
         scope = self.model.name if self.model is not None else "tenant default"
         return f"policy ({scope}): {self.max_weight_without_approval:g}% without approval"
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The policy as an audit event's before/after records it."""
         return {
             "max_weight_without_approval": self.max_weight_without_approval,

@@ -69,7 +69,7 @@ def weight_limit(policy: RolloutPolicy, alias: str, mode: str) -> float:
     return policy.max_weight_without_approval
 
 
-def check_required_guardrails(policy: RolloutPolicy, guardrails: dict) -> None:
+def check_required_guardrails(policy: RolloutPolicy, guardrails: dict[str, Any]) -> None:
     missing = [k for k in policy.required_guardrails if guardrails.get(k) is None]
     if missing:
         raise ValidationError(
@@ -145,7 +145,7 @@ def set_policy(
             if start is not None:
                 for field in POLICY_FIELDS:
                     setattr(policy, field, getattr(start, field))
-            before: dict = {}
+            before: dict[str, Any] = {}
         else:
             before = policy.snapshot()
         for field, value in clean.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -19,7 +21,7 @@ def record_shadow(stats: dict[int, list[int]]) -> None:
     )
 
 
-def shadow_summary(plan: RolloutPlan) -> dict:
+def shadow_summary(plan: RolloutPlan) -> dict[str, Any]:
     totals = plan.shadow_samples.aggregate(
         answered=Sum("answered"), agreed=Sum("agreed"), failed=Sum("failed")
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.stats import beta, binom
@@ -37,7 +38,7 @@ def msprt_log_lr(diff: np.ndarray | float, var: np.ndarray | float, tau2: float)
     return 0.5 * np.log(var / (var + tau2)) + tau2 * diff**2 / (2 * var * (var + tau2))
 
 
-def _rate_and_variance(errors: np.ndarray | int, requests: np.ndarray | int) -> tuple:
+def _rate_and_variance(errors: np.ndarray | int, requests: np.ndarray | int) -> tuple[Any, ...]:
     errors, requests = np.asarray(errors, dtype=float), np.asarray(requests, dtype=float)
     rate = errors / np.maximum(requests, 1)
     # Half a pseudo-error keeps the variance above zero while an arm has no errors yet.

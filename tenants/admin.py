@@ -28,19 +28,19 @@ from .models import (
 from .shown_once import remember, shown_once_page
 
 
-class MembershipInline(admin.TabularInline):
+class MembershipInline(admin.TabularInline[Membership, Tenant]):
     model = Membership
     extra = 0
     autocomplete_fields = ["user"]
 
 
-class QuotaInline(admin.StackedInline):
+class QuotaInline(admin.StackedInline[Quota, Tenant]):
     model = Quota
     can_delete = False
 
 
 @admin.register(Tenant)
-class TenantAdmin(AuditedAdmin):
+class TenantAdmin(AuditedAdmin[Tenant]):
     """Saves, deletes and the quota and membership inlines are audited (``AuditedAdmin``); a
     deleted tenant's audit history stays, with its slug."""
 
@@ -50,7 +50,7 @@ class TenantAdmin(AuditedAdmin):
     inlines = [QuotaInline, MembershipInline]
 
 
-class ApiKeyForm(forms.ModelForm):
+class ApiKeyForm(forms.ModelForm[ApiKey]):
     # Not required: a key created without saying gets the model's default (interactive).
     priority = forms.TypedChoiceField(
         choices=KeyPriority.choices,
@@ -100,7 +100,7 @@ class ApiKeyForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(AuditedAdmin):
+class ApiKeyAdmin(AuditedAdmin[ApiKey]):
     form = ApiKeyForm
     list_display = [
         "name",
@@ -160,13 +160,13 @@ class ApiKeyAdmin(AuditedAdmin):
 
 
 @admin.register(Membership)
-class MembershipAdmin(AuditedAdmin):
+class MembershipAdmin(AuditedAdmin[Membership]):
     list_display = ["user", "tenant", "role"]
     list_filter = ["tenant", "role"]
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
+class AuditEventAdmin(admin.ModelAdmin[AuditEvent]):
     # The slug, not the tenant: an event outlives its tenant (no row to follow there).
     list_display = ["created_at", "tenant_slug", "actor_label", "action", "target", "reason"]
     list_filter = ["tenant_slug", "action"]

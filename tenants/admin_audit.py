@@ -3,11 +3,11 @@ transaction (the admin's change and delete views run in one): who, what, before 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from django.contrib import admin
 from django.db import models, transaction
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
 from .audit import audit, deleting_as, user_actor
@@ -15,6 +15,10 @@ from .models import Tenant
 
 # Fields never copied into the audit log: secrets (even hashed) and file contents.
 HIDDEN = ("hash", "token", "password", "secret", "artifact")
+
+
+# Any model: the audited/read-only bases are generic over the admin's model.
+_M = TypeVar("_M", bound=Model)
 
 
 def tenant_of(obj: models.Model) -> int | None:
@@ -48,13 +52,17 @@ def snapshot(obj: models.Model) -> dict[str, Any]:
     return out
 
 
-def changed(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict, dict]:
+def changed(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     keys = [k for k in after if before.get(k) != after[k]]
     return {k: before.get(k) for k in keys}, {k: after[k] for k in keys}
 
 
 def audit_admin(
-    request: HttpRequest, obj: models.Model, verb: str, before: dict, after: dict
+    request: HttpRequest,
+    obj: models.Model,
+    verb: str,
+    before: dict[str, Any],
+    after: dict[str, Any],
 ) -> None:
     label = obj._meta.label_lower.split(".")[1]
     audit(
@@ -68,7 +76,7 @@ def audit_admin(
     )
 
 
-class AuditedAdmin(admin.ModelAdmin):
+class AuditedAdmin(admin.ModelAdmin[_M]):
     """Audits the admin's own saves and deletes (of the object and of its inlines). An admin
     whose ``save_model`` already calls an audited domain function sets ``audits_saves``
     False and keeps the deletes audited."""

@@ -219,7 +219,7 @@ def replica_series(deployment: Deployment, since: datetime) -> dict[str, list[An
         .order_by("created_at", "pk")
         .values_list("created_at", "desired", "accepted", "inputs__actual")
     )
-    series: dict[str, list] = {"t": [], "desired": [], "accepted": [], "actual": []}
+    series: dict[str, list[Any]] = {"t": [], "desired": [], "accepted": [], "actual": []}
     for at, desired, accepted, actual in rows:
         series["t"].append(at.isoformat())
         series["desired"].append(desired)

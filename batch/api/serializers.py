@@ -10,7 +10,7 @@ from ..jobs import Progress, progress
 from ..models import InputFormat, Job
 
 
-class JobSubmitSerializer(serializers.Serializer):
+class JobSubmitSerializer(serializers.Serializer[Any]):
     """A job: a multipart ``file``, or ``input`` (a name in the platform's storage)."""
 
     model = serializers.CharField(max_length=100)
@@ -22,7 +22,7 @@ class JobSubmitSerializer(serializers.Serializer):
     deadline = serializers.DateTimeField(required=False)
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(serializers.ModelSerializer[Job]):
     model = serializers.CharField(source="model.name")
     version = serializers.IntegerField(source="version.version")
     alias = serializers.CharField(source="asked_alias")

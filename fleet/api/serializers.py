@@ -15,7 +15,7 @@ MEMORY = re.compile(r"^\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 MIG_PROFILE = re.compile(r"^[1-7]g\.\d+gb(\+me)?$")
 
 
-class DeploymentSerializer(serializers.ModelSerializer):
+class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     model = serializers.CharField(source="version.model.name")
     version = serializers.IntegerField(source="version.version")
     pool = serializers.CharField(source="pool.name")
@@ -66,7 +66,7 @@ def deployment_data(deployments: list[Deployment]) -> list[dict[str, Any]]:
     ).data
 
 
-class DeploymentInputSerializer(serializers.ModelSerializer):
+class DeploymentInputSerializer(serializers.ModelSerializer[Deployment]):
     """A deployment to create (model, version and pool required) or the settings to change."""
 
     model = serializers.CharField(max_length=100, help_text="the model's name")
@@ -77,7 +77,7 @@ class DeploymentInputSerializer(serializers.ModelSerializer):
         model = Deployment
         fields = [*IDENTITY, *SETTINGS]
         # One deployment per version and pool is create_deployment's check: a 409 naming both.
-        validators: list = []
+        validators: list[Any] = []
         extra_kwargs = {
             "cpu": {"help_text": 'Kubernetes CPU quantity, e.g. "1" or "500m"'},
             "memory": {"help_text": 'Kubernetes memory quantity, e.g. "2Gi"'},
@@ -114,7 +114,7 @@ class DeploymentInputSerializer(serializers.ModelSerializer):
         return attrs
 
 
-class DecisionSerializer(serializers.ModelSerializer):
+class DecisionSerializer(serializers.ModelSerializer[ScalingDecision]):
     class Meta:
         model = ScalingDecision
         fields = [
@@ -135,37 +135,37 @@ class DecisionSerializer(serializers.ModelSerializer):
         }
 
 
-class DecisionFilter(serializers.Serializer):
+class DecisionFilter(serializers.Serializer[Any]):
     limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
 
 
-class RightsizingFilter(serializers.Serializer):
+class RightsizingFilter(serializers.Serializer[Any]):
     minutes = serializers.IntegerField(
         min_value=1, max_value=24 * 60, default=15, help_text="the traffic window"
     )
 
 
-class PoolSerializer(serializers.ModelSerializer):
+class PoolSerializer(serializers.ModelSerializer[Pool]):
     class Meta:
         model = Pool
         fields = ["name", "backend", "namespace", "spot", "description"]
         read_only_fields = fields
 
 
-class ServedVersionSerializer(serializers.Serializer):
+class ServedVersionSerializer(serializers.Serializer[Any]):
     model = serializers.CharField()
     version = serializers.IntegerField()
     state = serializers.CharField(help_text="loading, ready, failed or evicted")
 
 
-class GpuUseSerializer(serializers.Serializer):
+class GpuUseSerializer(serializers.Serializer[Any]):
     index = serializers.IntegerField()
     utilization_pct = serializers.FloatField()
     memory_used_bytes = serializers.IntegerField()
     memory_total_bytes = serializers.IntegerField()
 
 
-class AgentSerializer(serializers.Serializer):
+class AgentSerializer(serializers.Serializer[Any]):
     node = serializers.CharField()
     kind = serializers.ChoiceField(
         choices=["replica", "node"], help_text="a deployment's replica, or a node run by hand"

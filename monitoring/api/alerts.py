@@ -26,7 +26,7 @@ from ..models import Alert, AlertKind
 # Serializers ---------------------------------------------------------------------------------
 
 
-class AlertSerializer(serializers.ModelSerializer):
+class AlertSerializer(serializers.ModelSerializer[Alert]):
     model = serializers.CharField(source="model.name", read_only=True, allow_null=True)
     state = serializers.SerializerMethodField()
 
@@ -55,18 +55,18 @@ class AlertSerializer(serializers.ModelSerializer):
         return "open" if alert.resolved_at is None else "resolved"
 
 
-class AlertFilter(serializers.Serializer):
+class AlertFilter(serializers.Serializer[Any]):
     state = serializers.ChoiceField(choices=["open", "resolved", "all"], default="open")
     kind = serializers.ChoiceField(choices=AlertKind.choices, required=False)
     model = serializers.CharField(required=False, help_text="model name")
     limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
 
 
-class ResolveSerializer(serializers.Serializer):
+class ResolveSerializer(serializers.Serializer[Any]):
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
 
 
-class AlertSettingsSerializer(serializers.Serializer):
+class AlertSettingsSerializer(serializers.Serializer[Any]):
     webhook_url = serializers.URLField(
         max_length=500,
         allow_blank=True,

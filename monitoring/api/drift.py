@@ -5,6 +5,8 @@ its logged predictions) and the model's drift reports. Serializers and thin view
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
@@ -25,14 +27,14 @@ from ..models import DriftReport
 # Serializers ---------------------------------------------------------------------------------
 
 
-class ReferenceWindowSerializer(serializers.Serializer):
+class ReferenceWindowSerializer(serializers.Serializer[Any]):
     """A past window of the version's own logged predictions to use as its reference."""
 
     window_start = serializers.DateTimeField()
     window_end = serializers.DateTimeField()
 
 
-class ReferenceSerializer(serializers.ModelSerializer):
+class ReferenceSerializer(serializers.ModelSerializer[ReferenceSample]):
     model = serializers.CharField(source="version.model.name", read_only=True)
     version = serializers.IntegerField(source="version.version", read_only=True)
     scores = serializers.SerializerMethodField(help_text="rows that carry a score")
@@ -60,11 +62,11 @@ class ReferenceSerializer(serializers.ModelSerializer):
     def get_scores(self, sample: ReferenceSample) -> int:
         return sum(s is not None for s in sample.scores)
 
-    def get_features(self, sample: ReferenceSample) -> dict[str, dict]:
+    def get_features(self, sample: ReferenceSample) -> dict[str, dict[str, Any]]:
         return reference_summary(sample)
 
 
-class DriftReportSerializer(serializers.ModelSerializer):
+class DriftReportSerializer(serializers.ModelSerializer[DriftReport]):
     version = serializers.IntegerField(source="version.version", read_only=True)
     features = serializers.JSONField(
         help_text="per feature: kind, psi, ks and ks_pvalue (numeric) or distance (categorical, "
@@ -97,7 +99,7 @@ class DriftReportSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class DriftFilter(serializers.Serializer):
+class DriftFilter(serializers.Serializer[Any]):
     version = serializers.IntegerField(min_value=1, required=False)
     limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
 

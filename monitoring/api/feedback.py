@@ -47,22 +47,22 @@ class LabelField(serializers.JSONField):
         )
 
 
-class FeedbackItemSerializer(serializers.Serializer):
+class FeedbackItemSerializer(serializers.Serializer[Any]):
     request_id = serializers.CharField(max_length=128)
     # DRF moves declared fields off the class; the stubs see them shadow Field.label.
     label = LabelField()  # type: ignore[assignment]
 
 
-class FeedbackBulkSerializer(serializers.Serializer):
+class FeedbackBulkSerializer(serializers.Serializer[Any]):
     items = serializers.ListField(min_length=1, max_length=quality.MAX_FEEDBACK_ITEMS)
 
 
-class FeedbackResultSerializer(serializers.Serializer):
+class FeedbackResultSerializer(serializers.Serializer[Any]):
     accepted = serializers.IntegerField(help_text="labels stored (a repeated request id once)")
     matched = serializers.IntegerField(help_text="of those, request ids already in the log")
 
 
-def feedback_items(data: object) -> list[dict]:
+def feedback_items(data: object) -> list[dict[str, Any]]:
     """The labels of a single (``request_id`` and ``label``) or bulk (``items``) body; a bad
     item is named by its index and field: ``items[3].label: …``."""
     if not isinstance(data, dict):
@@ -116,7 +116,7 @@ class FeedbackView(APIView):
         return Response({"accepted": accepted, "matched": matched})
 
 
-class PredictionFilter(serializers.Serializer):
+class PredictionFilter(serializers.Serializer[Any]):
     version = serializers.IntegerField(required=False, min_value=1)
     status = serializers.IntegerField(required=False, min_value=100, max_value=599)
     request_id = serializers.CharField(required=False, max_length=128)
@@ -124,7 +124,7 @@ class PredictionFilter(serializers.Serializer):
     offset = serializers.IntegerField(required=False, min_value=0, default=0)
 
 
-class PredictionLogSerializer(serializers.ModelSerializer):
+class PredictionLogSerializer(serializers.ModelSerializer[PredictionLog]):
     version = serializers.IntegerField(source="version.version")
     # DRF moves declared fields off the class; the stubs see them shadow Field.label.
     label = serializers.JSONField(allow_null=True)  # type: ignore[assignment]
@@ -148,7 +148,7 @@ class PredictionLogSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class PredictionPageSerializer(serializers.Serializer):
+class PredictionPageSerializer(serializers.Serializer[Any]):
     count = serializers.IntegerField()
     results = PredictionLogSerializer(many=True)
 
@@ -170,14 +170,14 @@ class PredictionListView(APIView):
         )
 
 
-class QualityFilter(serializers.Serializer):
+class QualityFilter(serializers.Serializer[Any]):
     bucket = serializers.ChoiceField(choices=quality.BUCKETS, default="hour")
     since = serializers.DateTimeField(
         required=False, help_text="default: 24 hours ago (hourly) or 30 days ago (daily)"
     )
 
 
-class QualityPointSerializer(serializers.Serializer):
+class QualityPointSerializer(serializers.Serializer[Any]):
     bucket_start = serializers.DateTimeField()
     version = serializers.IntegerField()
     arm = serializers.CharField()
@@ -189,7 +189,7 @@ class QualityPointSerializer(serializers.Serializer):
     mae = serializers.FloatField(required=False, allow_null=True)
 
 
-class QualitySerializer(serializers.Serializer):
+class QualitySerializer(serializers.Serializer[Any]):
     model = serializers.CharField()
     task = serializers.CharField()
     bucket = serializers.CharField()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,9 @@ def make_dataset(n: int, seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def train_fraud_model(epochs: int = 8, n: int = 20_000, seed: int = 7) -> tuple[bytes, dict]:
+def train_fraud_model(
+    epochs: int = 8, n: int = 20_000, seed: int = 7
+) -> tuple[bytes, dict[str, Any]]:
     """Train and export; returns (ONNX bytes, offline metrics and lineage)."""
     import torch
     from torch import nn

@@ -91,7 +91,7 @@ def save_model_dir(model: Any, tokenizer: Any, directory: Path, chat_template: b
 
 def train_llama_storyteller(
     seconds: float = 20.0, seed: int = 0, corpus: Path | None = None
-) -> tuple[bytes, dict]:
+) -> tuple[bytes, dict[str, Any]]:
     """Train the tokenizer and the model for about ``seconds``; returns (the ``hf`` archive,
     metrics and lineage for the version)."""
     import torch

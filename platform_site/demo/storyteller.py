@@ -11,6 +11,7 @@ import hashlib
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ def evaluate(model: TextGenModel, tokens: torch.Tensor) -> float:
 
 def train_text_model(
     seconds: float = 90.0, seed: int = 0, corpus: Path | None = None
-) -> tuple[bytes, dict]:
+) -> tuple[bytes, dict[str, Any]]:
     """Train for ``seconds`` of wall time; returns (safetensors bytes, metrics and lineage).
 
     Deterministic given the seed up to the number of steps the time allows.

@@ -20,7 +20,7 @@ from ..models import ApprovalRequest
 from .serializers import ApprovalSerializer
 
 
-class MlflowImportSerializer(serializers.Serializer):
+class MlflowImportSerializer(serializers.Serializer[Any]):
     # The metaclass moves declared fields off the class: "source" shadows nothing at runtime.
     source = serializers.CharField(max_length=600)  # type: ignore[assignment]
     tracking_uri = serializers.CharField(max_length=1000, required=False, allow_blank=True)

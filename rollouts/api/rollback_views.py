@@ -3,6 +3,8 @@ tenant-scoped (another tenant's model is the same 404 as a missing one)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -18,7 +20,7 @@ from ..rollback import change_for, review_rollback, rollback_alias
 from .serializers import CommentSerializer
 
 
-class RollbackSerializer(serializers.Serializer):
+class RollbackSerializer(serializers.Serializer[Any]):
     to_version = serializers.IntegerField(
         min_value=1,
         required=False,

@@ -1,5 +1,7 @@
 """DRF serializers for rollout plans, promotions and approval requests."""
 
+from typing import Any
+
 from rest_framework import serializers
 
 from ..approvals import evidence_of
@@ -15,7 +17,7 @@ from ..policy import REQUIRABLE_GUARDRAILS
 from ..shadow import shadow_summary
 
 
-class PlanSerializer(serializers.ModelSerializer):
+class PlanSerializer(serializers.ModelSerializer[RolloutPlan]):
     model = serializers.CharField(source="model.name", read_only=True)
     baseline = serializers.IntegerField(source="baseline.version", read_only=True)
     candidate = serializers.IntegerField(source="candidate.version", read_only=True)
@@ -48,23 +50,23 @@ class PlanSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    def get_shadow(self, plan: RolloutPlan) -> dict | None:
+    def get_shadow(self, plan: RolloutPlan) -> dict[str, Any] | None:
         return shadow_summary(plan) if plan.mode == PlanMode.SHADOW else None
 
-    def get_arms(self, plan: RolloutPlan) -> list[dict]:
+    def get_arms(self, plan: RolloutPlan) -> list[dict[str, Any]]:
         return [
             {"name": a.name, "version": a.version.version, "weight": a.weight}
             for a in plan.arms.select_related("version")
         ]
 
 
-class ArmInput(serializers.Serializer):
+class ArmInput(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=50)
     version = serializers.IntegerField(min_value=1)
     weight = serializers.FloatField(min_value=0, max_value=100)
 
 
-class PlanCreateSerializer(serializers.Serializer):
+class PlanCreateSerializer(serializers.Serializer[Any]):
     mode = serializers.ChoiceField(choices=PlanMode.choices)
     candidate = serializers.IntegerField(min_value=1, help_text="version number")
     alias = serializers.CharField(max_length=50, default="production")
@@ -86,16 +88,16 @@ class PlanCreateSerializer(serializers.Serializer):
     arms = ArmInput(many=True, required=False)
 
 
-class WeightSerializer(serializers.Serializer):
+class WeightSerializer(serializers.Serializer[Any]):
     weight = serializers.FloatField(min_value=0, max_value=100)
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class ReasonSerializer(serializers.Serializer):
+class ReasonSerializer(serializers.Serializer[Any]):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class ApprovalSerializer(serializers.ModelSerializer):
+class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
     model = serializers.CharField(source="model.name", read_only=True)
     from_version = serializers.IntegerField(
         source="from_version.version", read_only=True, allow_null=True
@@ -135,34 +137,34 @@ class ApprovalSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    def get_votes(self, req: ApprovalRequest) -> list[dict]:
+    def get_votes(self, req: ApprovalRequest) -> list[dict[str, Any]]:
         return [
             {"by": v.label, "approved": v.approved, "comment": v.comment, "at": v.at}
             for v in req.votes.all()
         ]
 
-    def get_evidence(self, req: ApprovalRequest) -> dict | None:
+    def get_evidence(self, req: ApprovalRequest) -> dict[str, Any] | None:
         # Lists stay cheap: the evidence (several aggregate queries) is on the detail view.
         return evidence_of(req) if self.context.get("with_evidence") else None
 
 
-class ApprovalFilter(serializers.Serializer):
+class ApprovalFilter(serializers.Serializer[Any]):
     state = serializers.ChoiceField(choices=RequestState.choices, required=False)
     kind = serializers.ChoiceField(choices=RequestKind.choices, required=False)
     model = serializers.CharField(required=False)
 
 
-class PromotionSerializer(serializers.Serializer):
+class PromotionSerializer(serializers.Serializer[Any]):
     version = serializers.IntegerField(min_value=1)
     alias = serializers.CharField(max_length=50, default="production")
     comment = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class CommentSerializer(serializers.Serializer):
+class CommentSerializer(serializers.Serializer[Any]):
     comment = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class ArmMetricsSerializer(serializers.Serializer):
+class ArmMetricsSerializer(serializers.Serializer[Any]):
     arm = serializers.CharField()
     version = serializers.IntegerField()
     weight = serializers.FloatField()
@@ -175,7 +177,7 @@ class ArmMetricsSerializer(serializers.Serializer):
     p99_ms = serializers.FloatField(allow_null=True, help_text="null: above the last bucket")
 
 
-class PlanMetricsSerializer(serializers.Serializer):
+class PlanMetricsSerializer(serializers.Serializer[Any]):
     plan = serializers.IntegerField()
     arms = ArmMetricsSerializer(many=True)
     diff = serializers.DictField(
@@ -183,7 +185,7 @@ class PlanMetricsSerializer(serializers.Serializer):
     )
 
 
-class ArmWeightsSerializer(serializers.Serializer):
+class ArmWeightsSerializer(serializers.Serializer[Any]):
     arms = serializers.DictField(
         child=serializers.FloatField(min_value=0, max_value=100),
         help_text="every arm's new weight: {arm name: percent}",
@@ -191,7 +193,7 @@ class ArmWeightsSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class PolicySerializer(serializers.ModelSerializer):
+class PolicySerializer(serializers.ModelSerializer[RolloutPolicy]):
     scope = serializers.SerializerMethodField(
         help_text="model (its own policy), tenant (the tenant's default) or default (built in)"
     )
@@ -227,7 +229,7 @@ class PolicySerializer(serializers.ModelSerializer):
         return policy.updated_by.get_username() if policy.updated_by is not None else None
 
 
-class PolicyInputSerializer(serializers.Serializer):
+class PolicyInputSerializer(serializers.Serializer[Any]):
     """Fields left out keep their current value."""
 
     max_weight_without_approval = serializers.FloatField(min_value=0, max_value=100, required=False)
@@ -241,14 +243,14 @@ class PolicyInputSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class FreezeOverrideSerializer(serializers.Serializer):
+class FreezeOverrideSerializer(serializers.Serializer[Any]):
     reason = serializers.CharField(help_text="why releases may go on with the budget spent")
     hours = serializers.FloatField(
         min_value=0.01, max_value=168, default=4, help_text="how long the override holds"
     )
 
 
-class FreezeStatusSerializer(serializers.Serializer):
+class FreezeStatusSerializer(serializers.Serializer[Any]):
     model = serializers.CharField()
     frozen = serializers.BooleanField()
     budget_spent = serializers.ListField(child=serializers.CharField())

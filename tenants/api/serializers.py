@@ -1,19 +1,21 @@
 """DRF serializers of the audit log and of API keys."""
 
+from typing import Any
+
 from rest_framework import serializers
 
 from ..keys import DEFAULT_ROTATION_OVERLAP_S, MAX_ROTATION_OVERLAP_S
 from ..models import SCOPES, ApiKey, AuditEvent
 
 
-class AuditSerializer(serializers.ModelSerializer):
+class AuditSerializer(serializers.ModelSerializer[AuditEvent]):
     class Meta:
         model = AuditEvent
         fields = ["created_at", "actor_label", "action", "target", "before", "after", "reason"]
         read_only_fields = fields
 
 
-class AuditFilter(serializers.Serializer):
+class AuditFilter(serializers.Serializer[Any]):
     action = serializers.CharField(required=False, help_text="exact action, e.g. plan.weight")
     actor = serializers.CharField(required=False, help_text="actor label contains")
     q = serializers.CharField(required=False, help_text="target or reason contains")
@@ -28,7 +30,7 @@ class ExportFilter(AuditFilter):
     limit = serializers.IntegerField(min_value=1, required=False)
 
 
-class ApiKeySerializer(serializers.ModelSerializer):
+class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     """A key as the API lists it: never its secret or hash."""
 
     created_by = serializers.SerializerMethodField()
@@ -61,7 +63,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
         return f"sy_{key.prefix}_…"
 
 
-class ApiKeyCreateSerializer(serializers.Serializer):
+class ApiKeyCreateSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=100)
     scopes = serializers.ListField(
         child=serializers.ChoiceField(choices=SCOPES), allow_empty=False, default=["predict"]
@@ -77,7 +79,7 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
         read_only_fields = fields
 
 
-class RotateSerializer(serializers.Serializer):
+class RotateSerializer(serializers.Serializer[Any]):
     overlap_s = serializers.IntegerField(
         min_value=0,
         max_value=MAX_ROTATION_OVERLAP_S,
