@@ -28,7 +28,7 @@ class ModelAdmin(AuditedAdmin[Model]):
     search_fields = ["name"]
 
 
-class VersionUploadForm(forms.ModelForm):
+class VersionUploadForm(forms.ModelForm[ModelVersion]):
     """On creation: the artifact is hashed and its signature read and checked."""
 
     upload = forms.FileField(help_text="ONNX file", required=True)
@@ -77,7 +77,7 @@ class VersionUploadForm(forms.ModelForm):
         return data
 
 
-class VersionChangeForm(forms.ModelForm):
+class VersionChangeForm(forms.ModelForm[ModelVersion]):
     """On a change: only the serving settings, checked as the API checks them."""
 
     def clean_personal_fields(self) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from django.core.files.base import File
 
@@ -23,7 +24,7 @@ from .signature import SignatureError, read_onnx_signature, read_onnx_signature_
 from .uploads import contents, on_disk
 
 # A version's inputs and outputs, as stored on ModelVersion: [{"name", "datatype", "shape"}].
-Signature = tuple[list[dict], list[dict]]
+Signature = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 # What a text-generation version takes and gives, in OIP terms (the signature is fixed by the
 # architecture; streams speak the generation protocol, not tensors).
@@ -42,7 +43,7 @@ class Format:
     platform: str
     # Refuses an artifact that is not of this format (SignatureError naming the problem) and
     # reads its signature, without running anything from it.
-    check: Callable[[File], Signature]
+    check: Callable[[File[bytes]], Signature]
     extension: str  # of the stored artifact's name
     # Streams tokens (websocket, OpenAI API) instead of answering tensors.
     generates_text: bool = False
@@ -53,7 +54,7 @@ class Format:
     quantizable: bool = False  # registry.quantize can make an INT8 variant of it
 
 
-def _check_onnx(upload: File) -> Signature:
+def _check_onnx(upload: File[bytes]) -> Signature:
     """An upload on disk is checked in a child process (ONNX's checker loads the weights);
     one in memory (at most ``FILE_UPLOAD_MAX_MEMORY_SIZE``, or bytes a caller already holds)
     here."""
@@ -64,7 +65,7 @@ def _check_onnx(upload: File) -> Signature:
     return read_onnx_signature(upload.read())
 
 
-def _check_textgen(upload: File) -> Signature:
+def _check_textgen(upload: File[bytes]) -> Signature:
     from serving_agent.textgen import read_config  # torch: imported only for such uploads
 
     try:
@@ -75,13 +76,13 @@ def _check_textgen(upload: File) -> Signature:
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
-def _check_hf(upload: File) -> Signature:
+def _check_hf(upload: File[bytes]) -> Signature:
     upload.seek(0)
     check_hf_archive(on_disk(upload) or upload)
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
-def _check_torch(upload: File) -> Signature:
+def _check_torch(upload: File[bytes]) -> Signature:
     """A torch.export archive's signature, read from its JSON: nothing in it runs here."""
     path = on_disk(upload)
     try:

@@ -40,10 +40,10 @@ def value_type(value: Any) -> str | None:
 
 
 def normalize_reference(
-    columns: dict[str, list] | None = None,
-    rows: list[dict] | None = None,
-    scores: list | None = None,
-) -> tuple[dict[str, list], list]:
+    columns: dict[str, list[Any]] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    scores: list[Any] | None = None,
+) -> tuple[dict[str, list[Any]], list[Any]]:
     """Columns from either shape, checked: equal lengths, scalar values, MIN_ROWS to MAX_ROWS
     rows, and one number per row in ``scores`` when given. Errors name the field."""
     if (columns is None) == (rows is None):
@@ -88,7 +88,7 @@ def _finite(value: Any) -> Any:
     return None if value_type(value) is None else value
 
 
-def rows_from_csv(text: str) -> tuple[list[dict], list]:
+def rows_from_csv(text: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Rows from CSV text with a header row: empty cells are null, numbers parsed; a ``_score``
     column holds the scores."""
     reader = csv.DictReader(io.StringIO(text))
@@ -138,9 +138,9 @@ def set_reference_upload(
     version: ModelVersion,
     actor: Actor,
     *,
-    columns: dict[str, list] | None = None,
-    rows: list[dict] | None = None,
-    scores: list | None = None,
+    columns: dict[str, list[Any]] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    scores: list[Any] | None = None,
 ) -> ReferenceSample:
     """Make an uploaded sample the version's drift reference (replacing any), audited."""
     columns, scores = normalize_reference(columns, rows, scores)
@@ -163,8 +163,8 @@ def save_reference(
     version: ModelVersion,
     actor: Actor,
     source: str,
-    columns: dict[str, list],
-    scores: list,
+    columns: dict[str, list[Any]],
+    scores: list[Any],
     rows: int,
     start: datetime | None,
     end: datetime | None,
@@ -196,7 +196,7 @@ def save_reference(
     return sample
 
 
-def _audit_view(sample: ReferenceSample) -> dict:
+def _audit_view(sample: ReferenceSample) -> dict[str, Any]:
     view = {"source": sample.source, "rows": sample.rows, "features": sorted(sample.columns)}
     if sample.window_start and sample.window_end:  # a window's reference has both
         view |= {"window_start": sample.window_start.isoformat()}

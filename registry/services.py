@@ -92,7 +92,7 @@ def store_errors() -> tuple[type[BaseException], ...]:
 
 def create_version(
     model: Model,
-    artifact: bytes | File,
+    artifact: bytes | File[bytes],
     *,
     inputs: Any = None,
     outputs: Any = None,
@@ -100,7 +100,7 @@ def create_version(
     created_by: User | None = None,
     format: str = DEFAULT_FORMAT,
     actor: Actor = SYSTEM,
-    tokenizer: bytes | File | None = None,
+    tokenizer: bytes | File[bytes] | None = None,
     stored_name: str | None = None,
     **details: Any,
 ) -> ModelVersion:
@@ -205,14 +205,14 @@ def create_version(
     return version
 
 
-def _sha256(upload: File) -> str:
+def _sha256(upload: File[bytes]) -> str:
     digest = hashlib.sha256()
     for chunk in upload.chunks():
         digest.update(chunk)
     return digest.hexdigest()
 
 
-def refuse_pickle(upload: File, field: str) -> None:
+def refuse_pickle(upload: File[bytes], field: str) -> None:
     """Refuse pickle data whatever format the upload claims: unpickling runs the writer's code."""
     kind = pickle_kind(upload)
     if kind is not None:
@@ -224,7 +224,7 @@ def refuse_pickle(upload: File, field: str) -> None:
         )
 
 
-def _check_feature_names(names: list[str], inputs: list[dict]) -> None:
+def _check_feature_names(names: list[str], inputs: list[dict[str, Any]]) -> None:
     if not names:
         return
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):

@@ -42,7 +42,9 @@ class SignatureError(Invalid):
     """The artifact or the declared signature is not acceptable; the message names the field."""
 
 
-def _tensors(values: Any, kind: str, labels: dict[str, list] | None = None) -> list[dict]:
+def _tensors(
+    values: Any, kind: str, labels: dict[str, list[Any]] | None = None
+) -> list[dict[str, Any]]:
     out = []
     for value in values:
         if value.type.HasField("sequence_type") and labels is not None:
@@ -65,7 +67,7 @@ def _tensors(values: Any, kind: str, labels: dict[str, list] | None = None) -> l
     return out
 
 
-def _class_probabilities(value: Any, labels: dict[str, list]) -> dict:
+def _class_probabilities(value: Any, labels: dict[str, list[Any]]) -> dict[str, Any]:
     """The signature of a classifier's ZipMap output (one {label: probability} map per row):
     the agent returns it as an FP32 [rows, classes] matrix, its columns in the order of the
     labels recorded in the output's ``parameters``."""
@@ -97,7 +99,7 @@ def _class_probabilities(value: Any, labels: dict[str, list]) -> dict:
 CHILD_CHECK_TIMEOUT_S = 300
 
 
-def read_onnx_signature_from_file(path: str) -> tuple[list[dict], list[dict]]:
+def read_onnx_signature_from_file(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The (inputs, outputs) of the ONNX model at ``path``, checked in a child process
     (``registry.onnx_check``): the model's weights are never loaded into this process."""
     try:
@@ -125,7 +127,7 @@ def read_onnx_signature_from_file(path: str) -> tuple[list[dict], list[dict]]:
     )
 
 
-def read_onnx_signature(data: bytes) -> tuple[list[dict], list[dict]]:
+def read_onnx_signature(data: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The (inputs, outputs) of an ONNX model, after checking it is a valid model."""
     try:
         model = onnx.load_model_from_string(data)
@@ -138,7 +140,7 @@ def read_onnx_signature(data: bytes) -> tuple[list[dict], list[dict]]:
     return _tensors(graph_inputs, "input"), outputs
 
 
-def normalize_declared(declared: Any, field: str) -> list[dict]:
+def normalize_declared(declared: Any, field: str) -> list[dict[str, Any]]:
     """Check the shape of a declared signature: a list of {name, datatype, shape}."""
     if not isinstance(declared, list) or not declared:
         raise SignatureError(field, "must be a non-empty list of {name, datatype, shape}")
@@ -163,7 +165,9 @@ def normalize_declared(declared: Any, field: str) -> list[dict]:
     return out
 
 
-def with_artifact_parameters(declared: list[dict], actual: list[dict]) -> list[dict]:
+def with_artifact_parameters(
+    declared: list[dict[str, Any]], actual: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """A declared signature keeps what only the artifact knows (a classifier's labels)."""
     parameters = {t["name"]: t["parameters"] for t in actual if "parameters" in t}
     return [
@@ -172,7 +176,9 @@ def with_artifact_parameters(declared: list[dict], actual: list[dict]) -> list[d
     ]
 
 
-def check_declared_matches(declared: list[dict], actual: list[dict], field: str) -> None:
+def check_declared_matches(
+    declared: list[dict[str, Any]], actual: list[dict[str, Any]], field: str
+) -> None:
     """Refuse a declared signature that disagrees with the artifact's own."""
     by_name = {t["name"]: t for t in actual}
     declared_names = [t["name"] for t in declared]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 from django.conf import settings
 from django.core.files.base import File
@@ -23,7 +24,7 @@ MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 CHECK_TIMEOUT_S = 60
 
 
-def check_tokenizer(upload: File) -> None:
+def check_tokenizer(upload: File[bytes]) -> None:
     """Refuse a tokenizer that is too large or does not load and encode in a child process."""
     if not upload.size:
         raise SignatureError("tokenizer", "the uploaded file is empty")
@@ -51,7 +52,9 @@ def check_tokenizer(upload: File) -> None:
         raise SignatureError("tokenizer", answer["error"])
 
 
-def text_signature(inputs: list[dict], outputs: list[dict]) -> tuple[list[dict], list[dict]]:
+def text_signature(
+    inputs: list[dict[str, Any]], outputs: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The signature of a graph served behind its tokenizer; refuses a graph a tokenizer cannot
     feed (inputs other than token ids, masks and type ids, or not integer [batch, sequence])."""
     names = [t["name"] for t in inputs]

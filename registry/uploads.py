@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from django.core.files.base import File
 
 
-class FileOnDisk(File):
+class FileOnDisk(File[bytes]):
     """A file already on this machine's disk (an artifact registered by reference): checked
     in place like a spooled upload, but copied into storage, never moved."""
 
@@ -19,7 +19,7 @@ class FileOnDisk(File):
         self.path_on_disk = path
 
 
-def on_disk(upload: File) -> str | None:
+def on_disk(upload: File[bytes]) -> str | None:
     """The path of an upload the server spooled to disk (Django's temporary upload file), or
     of a ``FileOnDisk``."""
     if isinstance(upload, FileOnDisk):
@@ -29,7 +29,7 @@ def on_disk(upload: File) -> str | None:
 
 
 @contextmanager
-def contents(upload: File) -> Iterator[bytes | mmap.mmap]:
+def contents(upload: File[bytes]) -> Iterator[bytes | mmap.mmap]:
     """The upload's bytes: mapped from disk (read only where looked at) when it is there."""
     path = on_disk(upload)
     if path is None:

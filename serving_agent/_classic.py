@@ -6,6 +6,7 @@ registry read from the artifact at upload (the output's ``parameters.labels``)."
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ def class_labels(outputs: list[TensorSpec]) -> dict[str, Labels]:
     }
 
 
-def probability_matrix(maps: Sequence[dict] | np.ndarray, labels: Labels) -> np.ndarray:
+def probability_matrix(maps: Sequence[dict[Any, Any]] | np.ndarray, labels: Labels) -> np.ndarray:
     """One row per map, one column per label, in ``labels`` order."""
     if isinstance(maps, np.ndarray):  # already a matrix: nothing to convert
         return maps
@@ -39,7 +40,9 @@ def probability_matrix(maps: Sequence[dict] | np.ndarray, labels: Labels) -> np.
     return np.array(rows, dtype=np.float32).reshape(len(rows), len(labels))
 
 
-def as_matrices(names: list[str], outputs: list, labels: dict[str, Labels]) -> list[np.ndarray]:
+def as_matrices(
+    names: list[str], outputs: list[Any], labels: dict[str, Labels]
+) -> list[np.ndarray]:
     """ONNX Runtime's outputs (in ``names`` order) with each ZipMap output as its matrix."""
     return [
         probability_matrix(out, labels[name]) if name in labels else out

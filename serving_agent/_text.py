@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class TextRuntime(Runtime):
     def __init__(self, graph: Runtime, tokenizer_path: Path, text_input: str) -> None:
         self._graph = graph
         self._feeds: dict[str, str] = dict(getattr(graph, "input_types", {}))
-        shapes: dict[str, list] = dict(getattr(graph, "input_shapes", {}))
+        shapes: dict[str, list[Any]] = dict(getattr(graph, "input_shapes", {}))
         # A graph exported with a fixed sequence length takes exactly that many tokens.
         fixed = shapes.get("input_ids", [None, None])[1:2]
         fixed_length = fixed[0] if fixed and isinstance(fixed[0], int) and fixed[0] > 0 else None

@@ -18,7 +18,7 @@ from ..reference import normalize_reference, rows_from_csv
 from ..services import LADDER_FIELDS, MONITORING_FIELDS, SERVING_FIELDS, UPLOAD_FIELDS
 
 
-class ModelSerializer(serializers.ModelSerializer):
+class ModelSerializer(serializers.ModelSerializer[Model]):
     aliases = serializers.SerializerMethodField()
     fallback_version = serializers.IntegerField(
         source="fallback_version.version", read_only=True, default=None, allow_null=True
@@ -41,7 +41,7 @@ class ModelSerializer(serializers.ModelSerializer):
         return {a.name: a.version.version for a in obj.aliases.select_related("version")}
 
 
-class VersionSerializer(serializers.ModelSerializer):
+class VersionSerializer(serializers.ModelSerializer[ModelVersion]):
     model = serializers.CharField(source="model.name", read_only=True)
     # DRF moves declared fields off the class; the stubs see them shadow Field.parent.
     parent = serializers.IntegerField(  # type: ignore[assignment]
@@ -85,7 +85,7 @@ class VersionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ReferenceUploadSerializer(serializers.Serializer):
+class ReferenceUploadSerializer(serializers.Serializer[Any]):
     """A reference sample as rows or as columns, with an optional score per row."""
 
     rows = serializers.ListField(
@@ -111,7 +111,7 @@ class ReferenceUploadSerializer(serializers.Serializer):
 
 
 @extend_schema_field({"type": "string", "format": "binary"})
-class ReferenceField(serializers.Field):
+class ReferenceField(serializers.Field[Any, Any, Any, Any]):
     """A drift reference sent with the version: a JSON file or field (``{"rows": [...]}`` or
     ``{"columns": {...}}``, optional ``"scores"``), or a ``.csv`` file with a header row (a
     ``_score`` column holds the scores). Checked here, so a bad one refuses the whole upload."""
@@ -151,7 +151,7 @@ class ReferenceField(serializers.Field):
 PERSONAL_FIELDS_HELP = 'personal data in the signature: {input or feature name: "redact" | "hash"}'
 
 
-class ServingSettingsSerializer(serializers.ModelSerializer):
+class ServingSettingsSerializer(serializers.ModelSerializer[ModelVersion]):
     """A version's serving settings, the only fields of a version that may change
     (``registry.services.SERVING_FIELDS``); their bounds are the model's."""
 
@@ -208,7 +208,7 @@ class VersionUploadSerializer(ServingSettingsSerializer):
         return value
 
 
-class AliasSerializer(serializers.Serializer):
+class AliasSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(read_only=True)
     version = serializers.IntegerField(min_value=1)
     comment = serializers.CharField(
@@ -224,7 +224,7 @@ class AliasSerializer(serializers.Serializer):
         }
 
 
-class ModelUpdateSerializer(serializers.ModelSerializer):
+class ModelUpdateSerializer(serializers.ModelSerializer[Model]):
     """A model's description, monitoring settings and fallback ladder; its name and task are
     fixed. ``fallback_version`` is a version number of this model (null: none)."""
 
@@ -235,7 +235,7 @@ class ModelUpdateSerializer(serializers.ModelSerializer):
         fields = [*MONITORING_FIELDS, *LADDER_FIELDS]
 
 
-class AliasChangeSerializer(serializers.ModelSerializer):
+class AliasChangeSerializer(serializers.ModelSerializer[AliasChange]):
     """One move of an alias: its history as ``GET .../aliases/{alias}/history`` lists it."""
 
     from_version = serializers.IntegerField(
