@@ -42,7 +42,7 @@ async def predict(
     """An admitted, parsed prediction, within its key's in-flight limit: choose the arm, run it
     as ``sched`` says (see ``schedule``), and queue the shadow copy (if the plan samples one) on
     ``after``, to run once the reply is sent. Every tensor front door (OIP REST and gRPC, the
-    prediction API) calls it."""
+    prediction API, embeddings) calls it."""
     with in_flight(state, identity):
         return await _predict(state, identity, route, header, parsed, observed, after, sched)
 
