@@ -71,11 +71,12 @@ class Call:
         """From here on the request is counted (its refusals too) and may be logged."""
         self.observed.predicting = True
 
-    async def admit(
+    def admit(
         self, authorization: str | None, model_name: str, version: str | None
-    ) -> tuple[KeyIdentity, Route]:
-        """Authenticate, rate-limit and resolve (``admission.admit``), timed as stages."""
-        return await admission.admit(self.state, authorization, model_name, version, self.observed)
+    ) -> Coroutine[Any, Any, tuple[KeyIdentity, Route]]:
+        """Authenticate, rate-limit and resolve (``admission.admit``), timed as stages. Not a
+        coroutine of its own: the caller awaits admission's, one frame less per request."""
+        return admission.admit(self.state, authorization, model_name, version, self.observed)
 
     async def authenticate(self, authorization: str | None) -> KeyIdentity:
         """The caller's key, for doors that resolve the model later (generation)."""
