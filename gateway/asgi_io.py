@@ -8,8 +8,8 @@ import orjson
 from django.conf import settings
 
 from .asgi_types import Receive, Scope, Send
+from .errors import ApiError, ascii_int
 from .http_bounds import BODY_TIMEOUT_MESSAGE, read_within
-from .pipeline import ApiError, ascii_int
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -17,14 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.models import TaskKind
 
-from . import idempotency, pipeline, tracing
+from . import idempotency, pipeline
+from .admission import model_ref
 from .asgi_io import header, read_body, respond
 from .asgi_types import Receive, Scope, Send
-from .dispatch import in_background
-from .metrics import Observed
+from .checks import check_tensor
+from .errors import ApiError
+from .frontdoor import Call, serve, until_client_leaves
 from .openai_api import ERROR_TYPES
-from .pipeline import After, ApiError, ParsedInfer, check_tensor
+from .parsed import ParsedInfer
 from .routes import Route
+from .scheduling import TIMEOUT_HEADER, schedule
 from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
@@ -49,29 +52,17 @@ async def embeddings_app(scope: Scope, receive: Receive, send: Send) -> None:
     """``/v1/embeddings`` as a lean ASGI app, as OIP v2 is: Django's request stack measured at
     about half the throughput on a CPU the model shares (docs/text-and-embeddings.md)."""
     state = get_state()
-    observed: Observed | None = None
-    after: After = []
-    headers: list[tuple[str, str]]
-    try:
-        trace = tracing.start_trace(header(scope, b"x-request-id"), header(scope, b"traceparent"))
-    except tracing.BadRequestId as exc:
-        trace = tracing.start_trace(None, None)
-        status, body, headers = 400, _error(400, str(exc)), []
-    else:
-        tracing.current.set(trace)  # this request's task only: its log records carry the ids
-        observed = Observed(trace)
-        try:
-            status, body, headers = await _answer(state, scope, receive, observed, after)
-        except ApiError as exc:
-            status, body, headers = exc.status, _error(exc.status, exc.message), exc.headers
-        except Exception:  # an OpenAI client reads OpenAI's error shape, never a traceback
-            log.exception("unhandled error on %s", scope["path"])
-            status, body, headers = 500, _error(500, "internal server error"), []
-    await respond(send, status, body, [*headers, *trace.headers()])
-    if observed is not None and observed.predicting:
-        state.observe(observed, status)
-    for coro in after:
-        in_background(coro)
+    call = Call(state, header(scope, b"x-request-id"), header(scope, b"traceparent"))
+    status, body, headers = await serve(call, _answer(state, scope, receive, call), _render_error)
+    await respond(send, status, body, [*headers, *call.trace.headers()])
+    call.finish()
+
+
+Answer = tuple[int, bytes, list[tuple[str, str]]]
+
+
+def _render_error(exc: ApiError) -> Answer:
+    return exc.status, _error(exc.status, exc.message), exc.headers
 
 
 def _error(status: int, message: str) -> bytes:
@@ -85,18 +76,16 @@ def _error(status: int, message: str) -> bytes:
         return orjson.dumps({"error": error})
 
 
-async def _answer(
-    state: GatewayState, scope: Scope, receive: Receive, observed: Observed, after: After
-) -> tuple[int, bytes, list[tuple[str, str]]]:
+async def _answer(state: GatewayState, scope: Scope, receive: Receive, call: Call) -> Answer:
     if scope["method"] != "POST":
         raise ApiError(405, "use POST", [("Allow", "POST")])
+    # Counted (and maybe logged) whatever happens from here, as on every door: a refused key
+    # or an exhausted rate limit is a refusal in the metrics.
+    call.predicting()
     raw = await read_body(scope, receive, state.max_body)
     body, texts = _parse(raw)
-    name, version = pipeline.model_ref(body.model)
-    identity, route = await pipeline.admit(
-        state, header(scope, b"authorization"), name, version, observed
-    )
-    observed.predicting = True  # counted (and maybe logged) whatever happens from here, as OIP
+    name, version = model_ref(body.model)
+    identity, route = await call.admit(header(scope, b"authorization"), name, version)
     text_input, dimensions = _embedding_signature(route, body.model)
     _check_dimensions(body, dimensions)
     array = np.empty(len(texts), dtype=object)
@@ -104,34 +93,28 @@ async def _answer(
     spec = route.input(text_input)
     assert spec is not None
     check_tensor(spec, array, "input")
-    sched = pipeline.schedule(
-        state, identity, None, header(scope, pipeline.TIMEOUT_HEADER.encode())
+    sched = schedule(state, identity, None, header(scope, TIMEOUT_HEADER.encode()))
+    replay = await call.claim_key(
+        identity, header(scope, idempotency.HEADER.encode()), "POST", scope["path"], raw
     )
-    claim = await pipeline.claim_key(
-        state,
-        identity,
-        header(scope, idempotency.HEADER.encode()),
-        "POST",
-        scope["path"],
-        raw,
-    )
-    if claim is not None and claim.replay is not None:
-        observed.predicting = False  # nothing was computed: no metrics, no log row
-        replay = claim.replay
+    if replay is not None:
         return replay.status, replay.body, [*replay.headers, idempotency.REPLAYED]
     # All outputs: a rollout plan's other arm may name its embedding output differently.
     parsed = ParsedInfer(None, [text_input], [array], None, set())
-    async with pipeline.unanswered_releases(claim):
-        routed, outputs = await pipeline.predict(
+    # A client that hangs up while it waits cancels its request, as on OIP.
+    routed, outputs = await until_client_leaves(
+        receive,
+        pipeline.predict(
             state,
             identity,
             route,
             lambda h: header(scope, h.lower().encode()),
             parsed,
-            observed,
-            after,
+            call.observed,
+            call.after,
             sched,
-        )
+        ),
+    )
     vectors = [a for n, a in outputs if n != TOKEN_COUNT and a.ndim == 2]
     tokens = [a for n, a in outputs if n == TOKEN_COUNT]
     if len(vectors) != 1 or not tokens:
@@ -145,8 +128,7 @@ async def _answer(
     headers = [("x-switchyard-version", str(routed.route.version))]
     if routed.arm:
         headers.append(("x-switchyard-arm", routed.arm))
-    if claim is not None:
-        await claim.keep(200, headers, payload)
+    await call.keep(200, headers, payload)
     return 200, payload, headers
 
 

@@ -53,15 +53,10 @@ from tenants.members import session_identity
 
 from .db import db_call
 from .dispatch import DispatchError, SlowClient
+from .errors import ApiError
+from .frontdoor import Call, serve
 from .generation import GenerateParams, start_generation
-from .pipeline import (
-    PRIORITY_HEADER,
-    TIMEOUT_HEADER,
-    ApiError,
-    Schedule,
-    authenticate,
-    generation_schedule,
-)
+from .scheduling import PRIORITY_HEADER, TIMEOUT_HEADER, Schedule, generation_schedule
 from .state import get_state
 
 log = logging.getLogger(__name__)
@@ -128,20 +123,22 @@ class GenerateConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if text_data is None or len(text_data) > MAX_MESSAGE_BYTES:
-            await self.error(None, 400, "send JSON text frames of at most 1 MiB")
+            await self.refuse(None, ApiError(400, "send JSON text frames of at most 1 MiB"))
             return
         try:
             # orjson: it refuses nesting past its depth limit, where the stdlib's parser
             # recurses until RecursionError and the socket would close with 1011.
             message = orjson.loads(text_data)
         except orjson.JSONDecodeError as exc:
-            await self.error(None, 400, f"malformed JSON: {exc}")
+            await self.refuse(None, ApiError(400, f"malformed JSON: {exc}"))
             return
         kind = message.get("type") if isinstance(message, dict) else None
         if kind == "auth":
             await self._authenticate(f"Bearer {message.get('api_key') or ''}")
         elif self.identity is None:
-            await self.error(message.get("id") if kind else None, 401, "authenticate first")
+            await self.refuse(
+                message.get("id") if kind else None, ApiError(401, "authenticate first")
+            )
             await self.close(CLOSE_UNAUTHORIZED)
         elif kind == "generate":
             if await self._key_still_valid():
@@ -151,15 +148,18 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             if task is not None:
                 task.cancel()
         else:
-            await self.error(None, 400, 'type: expected "auth", "generate" or "cancel"')
+            await self.refuse(None, ApiError(400, 'type: expected "auth", "generate" or "cancel"'))
 
     async def _authenticate(self, authorization: str) -> None:
-        try:
-            self.identity = await authenticate(self.state, authorization)
-        except ApiError as exc:
-            await self.error(None, exc.status, exc.message)
+        call = Call(self.state, None, None)
+        call.predicting()  # a refused key is counted, as on every door
+        identity = await serve(call, call.authenticate(authorization), _as_error)
+        call.finish()
+        if isinstance(identity, ApiError):
+            await self.error(None, identity.status, identity.message)
             await self.close(CLOSE_UNAUTHORIZED)
             return
+        self.identity = identity
         self.raw_key = bearer(authorization)
         if self.recheck is None:
             self.recheck = asyncio.create_task(self._recheck_key())
@@ -201,11 +201,13 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "request"
-            await self.error(message.get("id"), 400, f"{where}: {first['msg']}")
+            await self.refuse(message.get("id"), ApiError(400, f"{where}: {first['msg']}"))
             return
         stream_id = request.id or uuid.uuid4().hex[:12]
         if stream_id in self.running:
-            await self.error(stream_id, 400, f"id: generation {stream_id!r} is still running")
+            await self.refuse(
+                stream_id, ApiError(400, f"id: generation {stream_id!r} is still running")
+            )
             return
         assert self.identity is not None  # receive() starts generations once authenticated
         try:
@@ -217,7 +219,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
                 self.timeout_header,
             )
         except ApiError as exc:
-            await self.error(stream_id, exc.status, exc.message)
+            await self.refuse(stream_id, exc)
             return
         if request.timeout_ms is not None:
             sched = Schedule(sched.priority, min(sched.budget_ms, request.timeout_ms))
@@ -229,7 +231,21 @@ class GenerateConsumer(AsyncWebsocketConsumer):
     async def _run(
         self, stream_id: str, params: GenerateParams, routing_key: str | None, sched: Schedule
     ) -> None:
+        """One generation under the front-door lifecycle: its trace, its refusals counted,
+        every error (expected or not) an error frame."""
         assert self.identity is not None  # receive() starts generations once authenticated
+        call = Call(self.state, None, None)
+        call.predicting()
+        call.observed.tenant = self.identity.tenant_slug
+        error = await serve(call, self._stream(stream_id, params, routing_key, sched), _as_error)
+        call.finish()
+        if error is not None:
+            await self.error(stream_id, error.status, error.message)
+
+    async def _stream(
+        self, stream_id: str, params: GenerateParams, routing_key: str | None, sched: Schedule
+    ) -> ApiError | None:
+        assert self.identity is not None
         generation = None
         try:
 
@@ -263,8 +279,6 @@ class GenerateConsumer(AsyncWebsocketConsumer):
                     "usage": generation.usage.as_dict(),
                 }
             )
-        except ApiError as exc:
-            await self.error(stream_id, exc.status, exc.message)
         except SlowClient as exc:
             await self.error(stream_id, 429, exc.message)
             await self.close(CLOSE_SLOW_CLIENT)
@@ -278,6 +292,18 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         finally:
             if generation is not None:
                 await generation.close()
+        return None
+
+    async def refuse(self, stream_id: object, exc: ApiError) -> None:
+        """A request refused before its generation started: counted by the front-door
+        lifecycle as every door's refusals are, then told as an error frame."""
+        call = Call(self.state, None, None)
+        call.predicting()
+        if self.identity is not None:
+            call.observed.tenant = self.identity.tenant_slug
+        call.status = exc.status
+        call.finish()
+        await self.error(stream_id, exc.status, exc.message)
 
     async def error(self, stream_id: object, status: int, message: str) -> None:
         """An error frame; ``stream_id`` as the client sent it, which is echoed only if it is
@@ -298,6 +324,12 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             await self.send_json(payload)
         except Exception:  # the socket is gone: nobody is left to tell
             log.debug("could not send %s on a closed socket", payload.get("type"))
+
+
+def _as_error(exc: ApiError) -> ApiError:
+    """The socket renders an error as an error frame (``GenerateConsumer.error``), which is
+    sent once the lifecycle has counted it."""
+    return exc
 
 
 def _latin1(value: bytes | None) -> str | None:

@@ -21,19 +21,11 @@ from tenants.ratelimit import retry_after_header
 from tenants.stream_budget import RENEW_S, BudgetExceeded
 
 from . import metrics, tracing
+from .admission import check_budget, hold_in_flight, model_ref, release_in_flight, resolve
+from .arms import Routed, route_request
 from .dispatch import DispatchError, SlowClient, StreamInbox
-from .pipeline import (
-    ApiError,
-    Routed,
-    Schedule,
-    check_budget,
-    default_schedule,
-    hold_in_flight,
-    model_ref,
-    release_in_flight,
-    resolve,
-    route_request,
-)
+from .errors import ApiError
+from .scheduling import Schedule, default_schedule
 from .state import GatewayState, Progress
 
 StopString = Annotated[str, Field(min_length=1, max_length=64)]

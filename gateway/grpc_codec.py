@@ -17,7 +17,9 @@ import numpy as np
 from serving_agent.protocol import NUMPY_TO_OIP, wire_array
 
 from . import bytes_tensors
-from .pipeline import ApiError, ParsedInfer, check_complete, check_input, check_tensor
+from .checks import check_complete, check_input, check_tensor
+from .errors import ApiError
+from .parsed import ParsedInfer
 from .proto import grpc_predict_v2_pb2 as pb
 from .routes import InputSpec, Route
 

@@ -18,12 +18,13 @@ import orjson
 from django.conf import settings
 from google.protobuf.message import DecodeError, Message
 
-from . import grpc_codec, idempotency, pipeline, tracing
-from .dispatch import in_background
-from .metrics import Observed
+from . import grpc_codec, idempotency, pipeline
+from .admission import admit
+from .errors import ApiError
+from .frontdoor import Call, serve
 from .oip import SERVER_METADATA, model_metadata
-from .pipeline import After, ApiError
 from .proto import grpc_predict_v2_pb2 as pb
+from .scheduling import TIMEOUT_HEADER, schedule
 from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ async def model_ready(request: pb.ModelReadyRequest, context: Context) -> pb.Mod
     async def work() -> pb.ModelReadyResponse:
         state = get_state()
         authorization = _metadata(context).get("authorization")
-        _, route = await pipeline.admit(state, authorization, request.name, request.version)
+        _, route = await admit(state, authorization, request.name, request.version)
         return pb.ModelReadyResponse(ready=state.pool.is_ready(route.version_id))
 
     return await _answer(context, work)
@@ -89,7 +90,7 @@ async def model_metadata_call(
     async def work() -> pb.ModelMetadataResponse:
         state = get_state()
         authorization = _metadata(context).get("authorization")
-        _, route = await pipeline.admit(state, authorization, request.name, request.version)
+        _, route = await admit(state, authorization, request.name, request.version)
         doc = model_metadata(route)  # the REST answer's fields, tensors reduced to the proto's
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
@@ -112,81 +113,68 @@ async def model_metadata_call(
 async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
     state = get_state()
     metadata = _metadata(context)
-    try:
-        trace = tracing.start_trace(metadata.get("x-request-id"), metadata.get("traceparent"))
-    except tracing.BadRequestId as exc:
-        await _abort(context, ApiError(400, str(exc)), [])
-    tracing.current.set(trace)  # this call's task only: its log records carry the ids
-    observed = Observed(trace)
-    observed.predicting = True
-    after: After = []
-    error: ApiError | None = None
-    replayed = False
-    try:
-        reply, replayed = await _infer(
-            state, request, metadata, observed, after, context.time_remaining()
-        )
-    except ApiError as exc:
-        error = exc
-    except Exception:
-        log.exception("unhandled error in ModelInfer")
-        error = ApiError(500, "internal server error")
-    state.observe(observed, 200 if error is None else error.status)
-    for coro in after:
-        in_background(coro)
-    if error is not None:
-        await _abort(context, error, trace.headers())
+    call = Call(state, metadata.get("x-request-id"), metadata.get("traceparent"))
+    if call.refused is None:
+        call.predicting()  # a malformed request id is refused before it is a prediction
+    answer = await serve(
+        call, _infer(state, request, metadata, call, context.time_remaining()), _as_error
+    )
+    call.finish()  # the metrics and shadow copies before the abort, which raises
+    if isinstance(answer, ApiError):
+        await _abort(context, answer, call.trace.headers() if call.refused is None else [])
+        raise AssertionError("abort raises")  # pragma: no cover
+    reply, replayed = answer
     replay_trailer = [(idempotency.REPLAYED[0].lower(), "true")] if replayed else []
-    context.set_trailing_metadata([*trace.headers(), *replay_trailer])
+    context.set_trailing_metadata([*call.trace.headers(), *replay_trailer])
     return reply
+
+
+def _as_error(exc: ApiError) -> ApiError:
+    """gRPC renders an error by aborting the call (``_abort``: its status code and
+    trailers), which can only happen once the call is finished."""
+    return exc
 
 
 async def _infer(
     state: GatewayState,
     request: pb.ModelInferRequest,
     metadata: dict[str, str],
-    observed: Observed,
-    after: After,
+    call: Call,
     time_left: float | None = None,
 ) -> tuple[pb.ModelInferResponse, bool]:
     """The reply, and whether it is the first answer to an earlier call with the same
     ``idempotency-key`` metadata (then nothing was computed)."""
     version = request.model_version or None
-    identity, route = await pipeline.admit(
-        state, metadata.get("authorization"), request.model_name, version, observed
-    )
+    identity, route = await call.admit(metadata.get("authorization"), request.model_name, version)
     parsed = grpc_codec.parse_infer(request, route)
-    sched = pipeline.schedule(
+    sched = schedule(
         state,
         identity,
         grpc_codec.request_parameters(request.parameters),
-        metadata.get(pipeline.TIMEOUT_HEADER),
+        metadata.get(TIMEOUT_HEADER),
     )
     if time_left is not None:  # the client's gRPC deadline travels to the agent too
         sched = replace(sched, budget_ms=max(min(sched.budget_ms, time_left * 1000), 1.0))
     # A retry with the same idempotency-key (metadata, as the REST header) gets the first
     # answer; the request's own bytes are what it must match. Only calls with the key pay.
     key = metadata.get(idempotency.HEADER)
-    claim = None
     if key is not None:
-        claim = await pipeline.claim_key(
-            state, identity, key, "POST", "grpc:ModelInfer", request.SerializeToString()
+        replay = await call.claim_key(
+            identity, key, "POST", "grpc:ModelInfer", request.SerializeToString()
         )
-        if claim is not None and claim.replay is not None:
-            observed.predicting = False  # nothing was computed: no metrics, no log row
-            return pb.ModelInferResponse.FromString(claim.replay.body), True
-    observed.mark("serialization")
-    async with pipeline.unanswered_releases(claim):
-        routed, outputs = await pipeline.predict(
-            state,
-            identity,
-            route,
-            lambda name: metadata.get(name.lower()),
-            parsed,
-            observed,
-            after,
-            sched,
-        )
+        if replay is not None:
+            return pb.ModelInferResponse.FromString(replay.body), True
+    call.observed.mark("serialization")
+    routed, outputs = await pipeline.predict(
+        state,
+        identity,
+        route,
+        lambda name: metadata.get(name.lower()),
+        parsed,
+        call.observed,
+        call.after,
+        sched,
+    )
     reply = grpc_codec.render_infer(
         routed.route,
         parsed.id,
@@ -195,9 +183,8 @@ async def _infer(
         routed.arm,
         routed.degraded,
     )
-    observed.mark("serialization")
-    if claim is not None:
-        await claim.keep(200, [], reply.SerializeToString())
+    call.observed.mark("serialization")
+    await call.keep(200, [], reply.SerializeToString())
     return reply, False
 
 

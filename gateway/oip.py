@@ -7,23 +7,22 @@ under ``/v2`` is small and served here too, so KServe and Triton clients work un
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import orjson
 
-from . import idempotency, pipeline, tracing
+from . import idempotency, pipeline
 from .asgi_io import error_body as _error
 from .asgi_io import header as _header
 from .asgi_io import read_body as _read_body
 from .asgi_io import respond as _respond
 from .asgi_types import Receive, Scope, Send
-from .dispatch import in_background
-from .metrics import Observed
+from .errors import ApiError
+from .frontdoor import Call, serve, until_client_leaves
 from .oip_codec import parse_infer, render_infer
-from .pipeline import After, ApiError
 from .routes import Route
+from .scheduling import TIMEOUT_HEADER, schedule
 from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
@@ -35,34 +34,21 @@ SERVER_METADATA = orjson.dumps(
 
 async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
     state = get_state()
-    after: After = []
-    observed: Observed | None = None
-    headers: list[tuple[str, str]]
-    try:
-        trace = tracing.start_trace(_header(scope, b"x-request-id"), _header(scope, b"traceparent"))
-    except tracing.BadRequestId as exc:
-        trace = tracing.start_trace(None, None)
-        status, body, headers = 400, _error(str(exc)), []
-    else:
-        tracing.current.set(trace)  # this request's task only: its log records carry the ids
-        observed = Observed(trace)
-        try:
-            status, body, headers = await _handle(state, scope, receive, after, observed)
-        except ApiError as exc:
-            status, body, headers = exc.status, _error(exc.message), exc.headers
-        except Exception:
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            status, body, headers = 500, _error("internal server error"), []
-    await _respond(send, status, body, [*headers, *trace.headers()])
-    if observed is not None and observed.predicting:
-        state.observe(observed, status)
-    for coro in after:
-        in_background(coro)
+    call = Call(state, _header(scope, b"x-request-id"), _header(scope, b"traceparent"))
+    status, body, headers = await serve(call, _handle(state, scope, receive, call), _render_error)
+    await _respond(send, status, body, [*headers, *call.trace.headers()])
+    call.finish()
 
 
-async def _handle(
-    state: GatewayState, scope: Scope, receive: Receive, after: After, observed: Observed
-) -> tuple[int, bytes, list[tuple[str, str]]]:
+Answer = tuple[int, bytes, list[tuple[str, str]]]
+
+
+def _render_error(exc: ApiError) -> Answer:
+    """OIP's error shape: ``{"error": message}``."""
+    return exc.status, _error(exc.message), exc.headers
+
+
+async def _handle(state: GatewayState, scope: Scope, receive: Receive, call: Call) -> Answer:
     method = scope["method"]
     parts = scope["path"].rstrip("/").split("/")[1:]  # "/v2/models/x/infer" -> [v2, models, ..]
     n = len(parts)
@@ -88,15 +74,15 @@ async def _handle(
     authorization = _header(scope, b"authorization")
     if rest == ["infer"]:
         _allow(method, "POST")
-        observed.predicting = True  # counted (and maybe logged) whatever happens from here
-        return await _infer(state, scope, receive, authorization, name, version, after, observed)
+        call.predicting()  # counted (and maybe logged) whatever happens from here
+        return await _infer(state, scope, receive, authorization, name, version, call)
     if rest == []:
         _allow(method, "GET")
-        _, route = await pipeline.admit(state, authorization, name, version)
+        _, route = await call.admit(authorization, name, version)
         return 200, orjson.dumps(model_metadata(route)), []
     if rest == ["ready"]:
         _allow(method, "GET")
-        _, route = await pipeline.admit(state, authorization, name, version)
+        _, route = await call.admit(authorization, name, version)
         ready = state.pool.is_ready(route.version_id)
         return (200 if ready else 503), orjson.dumps({"name": name, "ready": ready}), []
     raise ApiError(404, f"no such endpoint: {scope['path']}")
@@ -109,20 +95,17 @@ async def _infer(
     authorization: str | None,
     name: str,
     version: str | None,
-    after: After,
-    observed: Observed,
-) -> tuple[int, bytes, list[tuple[str, str]]]:
-    identity, route = await pipeline.admit(state, authorization, name, version, observed)
+    call: Call,
+) -> Answer:
+    identity, route = await call.admit(authorization, name, version)
+    observed = call.observed
     body = await _read_body(scope, receive, state.max_body)
     header_length = _header(scope, b"inference-header-content-length")
     parsed = parse_infer(body, header_length, route)
-    sched = pipeline.schedule(
-        state, identity, parsed.parameters, _header(scope, pipeline.TIMEOUT_HEADER.encode())
-    )
+    sched = schedule(state, identity, parsed.parameters, _header(scope, TIMEOUT_HEADER.encode()))
     # A retry with the same Idempotency-Key gets the first answer; the binary header is part
     # of the request (it says where the JSON ends).
-    claim = await pipeline.claim_key(
-        state,
+    replay = await call.claim_key(
         identity,
         _header(scope, idempotency.HEADER.encode()),
         "POST",
@@ -130,72 +113,30 @@ async def _infer(
         body,
         (header_length or "").encode(),
     )
-    if claim is not None and claim.replay is not None:
-        observed.predicting = False  # nothing was computed: no metrics, no log row
-        replay = claim.replay
+    if replay is not None:
         return replay.status, replay.body, [*replay.headers, idempotency.REPLAYED]
     observed.mark("serialization")
     # A client that hangs up while it waits cancels its request, so the agent drops it
     # unrun if it is still queued (the body is read: the next message is the disconnect).
-    task = asyncio.current_task()
-    assert task is not None
-    watch = DisconnectWatch(receive, task)
-    try:
-        async with pipeline.unanswered_releases(claim):
-            routed, outputs = await pipeline.predict(
-                state,
-                identity,
-                route,
-                lambda h: _header(scope, h.encode()),
-                parsed,
-                observed,
-                after,
-                sched,
-            )
-    except asyncio.CancelledError:
-        if not watch.client_left or task.uncancel():
-            raise  # cancelled from outside (shutdown), not by the client leaving
-        raise ApiError(499, "the client disconnected before the answer") from None
-    finally:
-        watch.stop()
+    routed, outputs = await until_client_leaves(
+        receive,
+        pipeline.predict(
+            state,
+            identity,
+            route,
+            lambda h: _header(scope, h.encode()),
+            parsed,
+            observed,
+            call.after,
+            sched,
+        ),
+    )
     payload, headers = render_infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm, routed.degraded
     )
     observed.mark("serialization")
-    if claim is not None:
-        await claim.keep(200, headers, payload)
+    await call.keep(200, headers, payload)
     return 200, payload, headers
-
-
-class DisconnectWatch:
-    """Cancels the request's task if its client hangs up while it waits for the agent.
-
-    The watching task starts only once a request has waited ``WATCH_AFTER_S``: a task per
-    request cost ~0.35 ms of CPU on a 0.6 ms request (oip_bench, 16 connections), and a warm
-    request is answered well before that. A timer is all a fast request pays for.
-    """
-
-    WATCH_AFTER_S = 0.02
-
-    def __init__(self, receive: Receive, task: asyncio.Task[Any]) -> None:
-        self.receive, self.task = receive, task
-        self.client_left = False
-        self.watcher: asyncio.Task[None] | None = None
-        self.timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S, self._start)
-
-    def _start(self) -> None:
-        self.watcher = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
-        self.client_left = True
-        self.task.cancel()
-
-    def stop(self) -> None:
-        self.timer.cancel()
-        if self.watcher is not None:
-            self.watcher.cancel()
 
 
 def model_metadata(route: Route) -> dict[str, Any]:

@@ -16,15 +16,9 @@ import orjson
 from serving_agent.protocol import NUMPY_TO_OIP
 
 from . import bytes_tensors
-from .pipeline import (
-    ApiError,
-    ParsedInfer,
-    ascii_int,
-    check_complete,
-    check_input,
-    check_tensor,
-    shown,
-)
+from .checks import check_complete, check_input, check_tensor
+from .errors import ApiError, ascii_int, shown
+from .parsed import ParsedInfer
 from .routes import Route
 
 

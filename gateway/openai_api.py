@@ -29,18 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from registry.access import aliases_of, models_of
 from serving_agent.protocol import ChatTurn, TokenChunk
 
-from . import idempotency, tracing
+from . import idempotency
+from .admission import authenticate
+from .errors import ApiError
+from .frontdoor import Call, serve
 from .generation import Chat, GenerateParams, Generation, StopString, start_generation
-from .pipeline import (
-    PRIORITY_HEADER,
-    TIMEOUT_HEADER,
-    ApiError,
-    authenticate,
-    claim_key,
-    generation_schedule,
-)
 from .routes import DEFAULT_ALIAS
-from .state import get_state
+from .scheduling import PRIORITY_HEADER, TIMEOUT_HEADER, generation_schedule
+from .state import GatewayState, get_state
 
 log = logging.getLogger(__name__)
 
@@ -151,71 +147,60 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 
 async def _serve(request: HttpRequest, chat: bool) -> HttpResponseBase:
-    try:
-        trace = tracing.start_trace(
-            request.headers.get("X-Request-Id"), request.headers.get("traceparent")
-        )
-    except tracing.BadRequestId as exc:
-        return openai_error(400, str(exc))
-    token = tracing.current.set(trace)  # the agent's generate frame carries it
-    try:
-        response = await _answer(request, chat)
-    except Exception:  # an OpenAI client reads OpenAI's error shape, never Django's HTML page
-        log.exception("unhandled error on %s", request.path)
-        response = openai_error(500, "internal server error")
-    finally:
-        tracing.current.reset(token)
-    for header, value in trace.headers():
-        response[header] = value
+    state = get_state()
+    call = Call(state, request.headers.get("X-Request-Id"), request.headers.get("traceparent"))
+    # An OpenAI client reads OpenAI's error shape, never Django's HTML page.
+    response = await serve(call, _answer(request, chat, state, call), _render_error)
+    if call.refused is None:
+        for header, value in call.trace.headers():
+            response[header] = value
+    call.finish()
     return response
 
 
-async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
+def _render_error(exc: ApiError) -> HttpResponseBase:
+    return openai_error(exc.status, exc.message, exc.headers)
+
+
+async def _answer(
+    request: HttpRequest, chat: bool, state: GatewayState, call: Call
+) -> HttpResponseBase:
     if request.method != "POST":
-        return openai_error(405, "use POST")
-    state = get_state()
-    claim: idempotency.Claim | None = None
-    try:
-        identity = await authenticate(state, request.headers.get("Authorization"))
-        raw = _body(request)
-        body, params = _parse(raw, chat)
-        sched = generation_schedule(
-            state,
-            identity,
-            body.priority,
-            request.headers.get(PRIORITY_HEADER),
-            request.headers.get(TIMEOUT_HEADER),
+        raise ApiError(405, "use POST")
+    call.predicting()  # its refusals are counted, as on every door
+    identity = await call.authenticate(request.headers.get("Authorization"))
+    raw = _body(request)
+    body, params = _parse(raw, chat)
+    sched = generation_schedule(
+        state,
+        identity,
+        body.priority,
+        request.headers.get(PRIORITY_HEADER),
+        request.headers.get(TIMEOUT_HEADER),
+    )
+    if not body.stream:  # a stream cannot be given again: its key is not used
+        replay = await call.claim_key(
+            identity, request.headers.get(idempotency.HEADER), "POST", request.path, raw
         )
-        if not body.stream:  # a stream cannot be given again: its key is not used
-            claim = await claim_key(
-                state,
-                identity,
-                request.headers.get(idempotency.HEADER),
-                "POST",
-                request.path,
-                raw,
-            )
-            if claim is not None and claim.replay is not None:
-                return _replay(claim.replay)
-        messages = (
-            Chat([ChatTurn(m.role, m.content) for m in body.messages], CHAT_STOP)
-            if isinstance(body, ChatBody)
-            else None
-        )
-        generation = await start_generation(
-            state,
-            identity,
-            body.model,
-            params,
-            body.user,
-            request.headers.get("X-Request-Id"),
-            chat=messages,
-            sched=sched,
-        )
-    except ApiError as exc:
-        if claim is not None:
-            await claim.release()
-        return openai_error(exc.status, exc.message, exc.headers)
+        if replay is not None:
+            return _replay(replay)
+    messages = (
+        Chat([ChatTurn(m.role, m.content) for m in body.messages], CHAT_STOP)
+        if isinstance(body, ChatBody)
+        else None
+    )
+    # A cold start holds here; a client that leaves meanwhile cancels this task, and the
+    # lifecycle releases the Idempotency-Key so its retry generates.
+    generation = await start_generation(
+        state,
+        identity,
+        body.model,
+        params,
+        body.user,
+        request.headers.get("X-Request-Id"),
+        chat=messages,
+        sched=sched,
+    )
     shape = _Shape(chat, body.model)
     response: HttpResponseBase
     if body.stream:
@@ -225,31 +210,21 @@ async def _answer(request: HttpRequest, chat: bool) -> HttpResponseBase:
         chunks = generation.chunks()
         try:
             first = await anext(chunks, None)
-        except ApiError as exc:
+        except BaseException:
             await generation.close()
-            return openai_error(exc.status, exc.message, exc.headers)
+            raise
         response = StreamingHttpResponse(
             _events(generation, chunks, first, shape), content_type="text/event-stream"
         )
         response["Cache-Control"] = "no-cache"
     else:
-        try:
-            text = await _collect(generation)
-        except BaseException as exc:
-            if claim is not None:
-                await claim.release()  # not answered: the retry generates
-            if isinstance(exc, ApiError):
-                return openai_error(exc.status, exc.message, exc.headers)
-            raise
-        response = JsonResponse(shape.whole(text, generation))
+        response = JsonResponse(shape.whole(await _collect(generation), generation))
     response["x-switchyard-version"] = str(generation.routed.route.version)
     if generation.routed.arm:
         response["x-switchyard-arm"] = generation.routed.arm
-    if claim is not None:
-        kept = [
-            (h, response[h]) for h in ("x-switchyard-version", "x-switchyard-arm") if h in response
-        ]
-        await claim.keep(response.status_code, kept, response.content)
+    kept = [(h, response[h]) for h in ("x-switchyard-version", "x-switchyard-arm") if h in response]
+    if not body.stream:
+        await call.keep(response.status_code, kept, response.content)
     return response
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pipeline import ApiError, check_complete, check_tensor, shown
+from .checks import check_complete, check_tensor
+from .errors import ApiError, shown
 from .routes import Route
 
 

@@ -26,9 +26,10 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc
 
 from gateway import generate_ws, grpc_server, oip, openai_api
 from gateway import state as state_module
+from gateway.admission import model_ref, parse_version
 from gateway.api import predict_app, views
 from gateway.dispatch import AgentLink
-from gateway.pipeline import ApiError, model_ref, parse_version
+from gateway.errors import ApiError
 from gateway.state import GatewayState
 from platform_site.asgi import application
 from registry.services import set_alias

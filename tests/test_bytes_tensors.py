@@ -12,10 +12,10 @@ import tritonclient.http as triton_http
 from django.conf import settings
 
 from gateway import bytes_tensors
+from gateway.errors import ApiError
 from gateway.grpc_codec import parse_infer as parse_grpc
 from gateway.grpc_codec import render_infer as render_grpc
 from gateway.oip_codec import parse_infer, render_infer
-from gateway.pipeline import ApiError
 from gateway.proto import grpc_predict_v2_pb2 as pb
 from gateway.routes import InputSpec, Route
 from serving_agent.protocol import (

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from django.conf import settings
 
+from gateway.errors import ApiError
 from gateway.grpc_codec import grpc_code, parse_infer, render_infer, request_parameters
-from gateway.pipeline import ApiError
 from gateway.proto import grpc_predict_v2_pb2 as pb
 from gateway.routes import InputSpec, Route
 from serving_agent.protocol import OIP_TO_NUMPY, pack_bytes

@@ -17,7 +17,8 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gateway.pipeline import ApiError, authenticate
+from gateway.admission import authenticate
+from gateway.errors import ApiError
 from gateway.state import GatewayState
 from rollouts.models import RolloutPlan
 from tenants.authentication import KeyPrincipal, actor_of, caller_of

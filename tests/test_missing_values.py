@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gateway import grpc_codec, oip_codec
-from gateway.pipeline import ApiError
+from gateway.errors import ApiError
 from gateway.predict_codec import arrays_from_predict_body
 from gateway.predlog import input_columns
 from gateway.proto import grpc_predict_v2_pb2 as pb

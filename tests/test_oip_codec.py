@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from gateway.errors import ApiError
 from gateway.oip_codec import parse_infer, render_infer
-from gateway.pipeline import ApiError
 from gateway.routes import InputSpec, Route
 
 ROUTE = Route(

@@ -1,5 +1,5 @@
 """Scheduling parameters at the gateway: OIP ``parameters.priority`` / ``parameters.timeout`` and
-the ``x-switchyard-timeout-ms`` header, read by ``pipeline.schedule`` within the key's ceiling,
+the ``x-switchyard-timeout-ms`` header, read by ``scheduling.schedule`` within the key's ceiling,
 and carried on the infer frame to the agent. The agent side here is the real ``Serving`` and
 ``Batcher`` of ``serving_agent``, wired to the pool in process (the websocket hop is covered by
 tests/e2e/test_fair_scheduling.py)."""
@@ -19,11 +19,12 @@ from asgiref.sync import async_to_sync
 from channels.layers import InMemoryChannelLayer
 from channels.testing import HttpCommunicator
 
-from gateway import pipeline
+from gateway import scheduling
 from gateway.consumers import AgentConsumer
 from gateway.dispatch import AgentLink, AgentPool
+from gateway.errors import ApiError
 from gateway.oip import oip_app
-from gateway.pipeline import ApiError, Schedule
+from gateway.scheduling import Schedule
 from gateway.state import GatewayState
 from serving_agent import Batcher, FunctionRuntime
 from serving_agent._serving import Serving
@@ -58,10 +59,10 @@ def identity(priority: int = INTERACTIVE) -> KeyIdentity:
 
 def plan(params: object = None, header: str | None = None, key: int = INTERACTIVE) -> Schedule:
     state: Any = SimpleNamespace(infer_timeout=SERVER_TIMEOUT_S)
-    return pipeline.schedule(state, identity(key), params, header)
+    return scheduling.schedule(state, identity(key), params, header)
 
 
-# pipeline.schedule alone -------------------------------------------------------------------
+# scheduling.schedule alone -------------------------------------------------------------------
 
 
 def test_without_parameters_a_request_gets_its_keys_class_and_the_server_timeout() -> None:
@@ -377,7 +378,7 @@ def test_a_forwarded_cancel_opens_no_reply_route_and_the_cancelled_answer_closes
     assert decode_frame(answered)[0].code == "cancelled"
 
 
-# pipeline.generation_schedule: OpenAI's ``priority`` field and the socket's, or the header ----
+# scheduling.generation_schedule: OpenAI's ``priority`` field and the socket's, or the header ----
 
 
 def gen_plan(
@@ -387,7 +388,7 @@ def gen_plan(
     key: int = INTERACTIVE,
 ) -> Schedule:
     state: Any = SimpleNamespace(infer_timeout=SERVER_TIMEOUT_S)
-    return pipeline.generation_schedule(state, identity(key), field, header, timeout)
+    return scheduling.generation_schedule(state, identity(key), field, header, timeout)
 
 
 def test_a_generation_takes_its_class_from_the_field_or_the_header() -> None:

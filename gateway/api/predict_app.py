@@ -15,8 +15,8 @@ reaches Django (Django's test client, other methods).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -27,14 +27,15 @@ from rest_framework.exceptions import ValidationError
 
 from platform_site.errors import api_exception_handler
 
-from .. import bytes_tensors, idempotency, pipeline, tracing
+from .. import bytes_tensors, idempotency, pipeline
 from ..asgi_io import error_body, header, read_body, respond
 from ..asgi_types import Receive, Scope, Send
-from ..dispatch import in_background
-from ..metrics import Observed
+from ..errors import ApiError
+from ..frontdoor import Call, serve, until_client_leaves
 from ..oip_codec import DEGRADED_HEADER
-from ..pipeline import ApiError
+from ..parsed import ParsedInfer
 from ..predict_codec import arrays_from_predict_body
+from ..scheduling import TIMEOUT_HEADER, schedule
 from ..state import GatewayState, get_state
 from .serializers import PredictRequest
 
@@ -60,21 +61,20 @@ class PredictURL:
     version: str | None  # a version number or an alias name, as the path wrote it
 
 
+Headers = list[tuple[str, str]]
+
+
 @dataclass
 class Answer:
-    """A reply, and what runs once it is sent: the metrics and log (``observed``), shadows."""
+    """A reply, and its call: ``finish`` once it is sent (the metrics, the log, shadows)."""
 
     status: int
     body: bytes
-    headers: list[tuple[str, str]]
-    observed: Observed | None = None
-    after: list[Coroutine[Any, Any, None]] = field(default_factory=list)
+    headers: Headers
+    call: Call
 
-    def finish(self, state: GatewayState) -> None:
-        if self.observed is not None:
-            state.observe(self.observed, self.status)
-        for coro in self.after:
-            in_background(coro)
+    def finish(self) -> None:
+        self.call.finish()
 
 
 def predict_url(scope: Scope) -> PredictURL | None:
@@ -103,77 +103,83 @@ async def predict_app(url: PredictURL, scope: Scope, receive: Receive, send: Sen
         lambda name: header(scope, name.encode()),
         url,
         lambda: read_body(scope, receive, state.max_body),
+        receive,
     )
     await respond(send, reply.status, reply.body, reply.headers)
-    reply.finish(state)
+    reply.finish()
 
 
-async def answer(state: GatewayState, header: Header, url: PredictURL, body: BodyReader) -> Answer:
+async def answer(
+    state: GatewayState,
+    header: Header,
+    url: PredictURL,
+    body: BodyReader,
+    receive: Receive | None = None,
+) -> Answer:
     """The reply to one prediction request, whatever goes wrong: every error in the API's
-    shape (``{"error": ...}``), with its status and headers (``Retry-After`` when shedding)."""
-    try:
-        trace = tracing.start_trace(header("x-request-id"), header("traceparent"))
-    except tracing.BadRequestId as exc:
-        return Answer(400, error_body(str(exc)), tracing.start_trace(None, None).headers())
-    token = tracing.current.set(trace)  # log records carry the ids while it is handled
-    observed = Observed(trace)
-    observed.predicting = True  # counted (and maybe logged) whatever happens from here
-    reply = Answer(200, b"", [], observed)
-    try:
-        reply.body = await _predict(state, header, url, body, reply, observed)
-    except ApiError as exc:
-        reply.status, reply.body, reply.headers = exc.status, error_body(exc.message), exc.headers
-    except ValidationError as exc:
-        reply.status, reply.body = 400, _invalid(exc)
-    except Exception:
-        log.exception("unhandled error predicting with %r", url.name)
-        reply.status, reply.body = 500, error_body("internal server error")
-    finally:
-        tracing.current.reset(token)
-    reply.headers = [*reply.headers, *trace.headers()]
-    return reply
+    shape (``{"error": ...}``), with its status and headers (``Retry-After`` when shedding).
+    ``receive``: the ASGI channel, watched for a client that leaves (Django watches its own)."""
+    call = Call(state, header("x-request-id"), header("traceparent"))
+    call.predicting()  # counted (and maybe logged) whatever happens from here
+    payload, headers = await serve(
+        call, _predict(call, state, header, url, body, receive), _render_error
+    )
+    return Answer(call.status, payload, [*headers, *call.trace.headers()], call)
+
+
+def _render_error(exc: ApiError) -> tuple[bytes, Headers]:
+    """The API's error shape: ``{"error": ...}``, plus ``fields`` when the serializer refused
+    the body."""
+    return (exc.body if isinstance(exc, FieldErrors) else error_body(exc.message)), exc.headers
+
+
+class FieldErrors(ApiError):
+    """A body the serializer refused, rendered as every DRF view in the API answers it."""
+
+    def __init__(self, exc: ValidationError) -> None:
+        response = api_exception_handler(exc, {})
+        assert response is not None  # the handler answers every DRF exception
+        super().__init__(400, str(response.data.get("error", "invalid body")))
+        # List items' errors are keyed by their index.
+        self.body = orjson.dumps(response.data, option=orjson.OPT_NON_STR_KEYS)
 
 
 async def _predict(
+    call: Call,
     state: GatewayState,
     header: Header,
     url: PredictURL,
     read: BodyReader,
-    reply: Answer,
-    observed: Observed,
-) -> bytes:
-    identity, route = await pipeline.admit(
-        state, header("authorization"), url.name, url.version, observed
-    )
+    receive: Receive | None,
+) -> tuple[bytes, Headers]:
+    observed = call.observed
+    identity, route = await call.admit(header("authorization"), url.name, url.version)
     raw = await read()
     data = parse_body(header("content-type"), raw)
     names, arrays, outputs = arrays_from_predict_body(data, route)
     # The body's parameters (priority, timeout) and the timeout header, read as on OIP: the
     # serializer refused unknown names and left the values to ``schedule``.
-    sched = pipeline.schedule(
-        state, identity, data.get("parameters"), header(pipeline.TIMEOUT_HEADER)
-    )
-    claim = await pipeline.claim_key(
-        state, identity, header(idempotency.HEADER), "POST", _path_of(url), raw
-    )
-    if claim is not None and claim.replay is not None:
-        reply.observed = None  # nothing was computed: no metrics, no log row
-        reply.status = claim.replay.status
-        reply.headers = [*claim.replay.headers, idempotency.REPLAYED]
-        return claim.replay.body
+    sched = schedule(state, identity, data.get("parameters"), header(TIMEOUT_HEADER))
+    replay = await call.claim_key(identity, header(idempotency.HEADER), "POST", _path_of(url), raw)
+    if replay is not None:
+        call.status = replay.status
+        return replay.body, [*replay.headers, idempotency.REPLAYED]
     observed.mark("serialization")
-    parsed = pipeline.ParsedInfer(None, names, arrays, outputs, set())
-    async with pipeline.unanswered_releases(claim):
-        routed, result = await pipeline.predict(
-            state,
-            identity,
-            route,
-            lambda h: header(h.lower()),
-            parsed,
-            observed,
-            reply.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
-            sched,
-        )
+    parsed = ParsedInfer(None, names, arrays, outputs, set())
+    predicted = pipeline.predict(
+        state,
+        identity,
+        route,
+        lambda h: header(h.lower()),
+        parsed,
+        observed,
+        call.after,  # the shadow copy, if the plan samples one, runs once the reply is sent
+        sched,
+    )
+    # A client that hangs up while it waits cancels its request, as on OIP.
+    routed, result = await (
+        predicted if receive is None else until_client_leaves(receive, predicted)
+    )
     answer: dict[str, Any] = {
         "model": routed.route.model_name,
         "version": routed.route.version,
@@ -187,17 +193,17 @@ async def _predict(
     }
     if labels:  # a classifier's probabilities: the class label of each column
         answer["class_labels"] = labels
+    headers: Headers = []
     if routed.arm is not None:
         answer["arm"] = routed.arm
     if routed.degraded is not None:  # the model's fallback ladder answered: say which step
         answer["degraded"] = routed.degraded
-        reply.headers.append((DEGRADED_HEADER, routed.degraded))
+        headers.append((DEGRADED_HEADER, routed.degraded))
     # numpy arrays written by orjson itself: ~10x cheaper than .tolist() and then encoding.
     payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list)
     observed.mark("serialization")
-    if claim is not None:
-        await claim.keep(200, reply.headers, payload)
-    return payload
+    await call.keep(200, headers, payload)
+    return payload, headers
 
 
 def _path_of(url: PredictURL) -> str:
@@ -220,7 +226,10 @@ def parse_body(content_type: str | None, body: bytes) -> dict[str, Any]:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    validated: dict[str, Any] = REQUEST.run_validation(data)
+    try:
+        validated: dict[str, Any] = REQUEST.run_validation(data)
+    except ValidationError as exc:
+        raise FieldErrors(exc) from None
     return validated
 
 
@@ -229,15 +238,6 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (
         media.startswith("application/") and media.endswith("+json")
     )
-
-
-def _invalid(exc: ValidationError) -> bytes:
-    """The API's error shape for a body that failed the serializer (as every DRF view in the
-    API answers it): ``{"error": "<field>: <problem>", "fields": {...}}``."""
-    response = api_exception_handler(exc, {})
-    assert response is not None  # the handler answers every DRF exception
-    # List items' errors are keyed by their index.
-    return orjson.dumps(response.data, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _as_list(value: object) -> object:

@@ -16,7 +16,7 @@ from rest_framework.views import APIView
 
 from tenants.authentication import ApiKeyAuthentication
 
-from ..pipeline import ApiError
+from ..errors import ApiError
 from ..state import get_state
 from .predict_app import PredictURL, answer
 from .serializers import ErrorResponse, PredictRequest, PredictResponse
@@ -109,5 +109,5 @@ class PredictView(APIView):
         response = HttpResponse(reply.body, status=reply.status, content_type="application/json")
         for key, value in reply.headers:
             response[key] = value
-        reply.finish(state)
+        reply.finish()
         return response
