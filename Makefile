@@ -12,7 +12,7 @@ $(PY):
 # torch first, pinned to the CPU wheel, so the project's `torch>=2.6` is already satisfied.
 install: $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[all,dev]'
 
 # Install, migrate, create the demo tenant/key/node/model, and run every process in the foreground
 # under supervisord (deploy/supervisord.conf): one that dies is restarted alone.
