@@ -10,10 +10,14 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, pinned to the CPU wheel (as the Makefile does), so `torch>=2.6` is satisfied.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-COPY pyproject.toml /src/pyproject.toml
-# Only the [project] dependencies, read from pyproject.toml: this layer changes when they do.
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" > /src/requirements.txt \
-    && pip install -r /src/requirements.txt
+COPY pyproject.toml constraints.txt /src/
+# The roles this image serves (pyproject.toml's extras; the default is every role but dev):
+# build with --build-arg EXTRAS="s3 kubernetes" for a platform without agents, MLflow or SSO.
+ARG EXTRAS="agent mlflow s3 sso kubernetes"
+# The [project] dependencies and those extras', read from pyproject.toml, at the versions of
+# constraints.txt (`make lock`): this layer changes when they do.
+RUN python -c "import sys, tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + [d for e in sys.argv[1:] for d in p['optional-dependencies'][e]]))" $EXTRAS > /src/requirements.txt \
+    && pip install -c /src/constraints.txt -r /src/requirements.txt
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \

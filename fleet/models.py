@@ -98,10 +98,12 @@ class GatewayProcess(models.Model):
 
 
 class ConfigGeneration(models.Model):
-    """A single counter bumped whenever keys, quotas, models, versions, aliases or nodes change.
+    """A single counter bumped whenever keys, quotas, models, versions, aliases or nodes change:
+    the sequence number of the newest ``ConfigChange``.
 
-    Each gateway process polls it and drops its caches when it moves, so a change reaches the
-    data path within the refresh interval without a query per request.
+    Each gateway process polls it and, when it moves, reads the changes it has not seen and
+    drops only the cache entries they touch, so a change reaches the data path within the
+    refresh interval without a query per request.
     """
 
     value = models.BigIntegerField(default=0)
@@ -111,6 +113,37 @@ class ConfigGeneration(models.Model):
 
     def __str__(self) -> str:
         return f"generation {self.value}"
+
+
+class ChangeKind(models.TextChoices):
+    """What a config change touches, and so which cached entries a gateway drops."""
+
+    KEY = "key", "one API key"  # that key's cached identity
+    TENANT = "tenant", "a tenant or its quota"  # that tenant's identities and routes
+    MODEL = "model", "a model, version, alias or rollout plan"  # that model's routes
+    FLEET = "fleet", "nodes, pools, deployments"  # no cached entry: agent assignments only
+    ALL = "all", "anything"  # a change whose scope is unknown: every cached entry
+
+
+class ConfigChange(models.Model):
+    """One change behind a move of the config generation (``seq`` is the generation it moved
+    to), so a gateway drops what it touched instead of every cache. Only the newest rows are
+    kept (``fleet.changes.KEEP_CHANGES``); a gateway further behind drops everything.
+
+    No foreign keys: a row outlives the tenant or model it names (their deletion is a change).
+    """
+
+    seq = models.BigIntegerField(primary_key=True)
+    kind = models.CharField(max_length=8, choices=ChangeKind.choices)
+    tenant_id = models.BigIntegerField(null=True, blank=True)
+    object_id = models.BigIntegerField(null=True, blank=True)  # the key's or the model's id
+    name = models.CharField(max_length=100, blank=True)  # the model's name
+
+    class Meta:
+        ordering = ["seq"]
+
+    def __str__(self) -> str:
+        return f"change {self.seq}: {self.kind} {self.tenant_id} {self.object_id} {self.name}"
 
 
 class ClusterKind(models.TextChoices):

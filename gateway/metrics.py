@@ -309,11 +309,20 @@ def _add(hists: dict, key: object, bounds: tuple, value: float) -> None:
 def _fold_histogram(child: Histogram, hist: _Hist) -> None:
     # prometheus-client has no bulk observe: add to each bucket's value and the sum, which is
     # what observe() does one observation at a time (buckets are stored non-cumulative; the
-    # last one is +Inf).
-    for value, n in zip(child._buckets, hist.counts, strict=True):
+    # last one is +Inf). These are its private attributes, so this is the one place that
+    # touches them: pyproject.toml bounds the version, and tests/test_metrics.py checks that a
+    # fold writes what observe() would.
+    try:
+        buckets, total = child._buckets, child._sum
+    except AttributeError:
+        raise RuntimeError(
+            "this prometheus-client keeps a histogram's values elsewhere: gateway.metrics "
+            "cannot fold its counts; install a version within pyproject.toml's bound"
+        ) from None
+    for value, n in zip(buckets, hist.counts, strict=True):
         if n:
             value.inc(n)
-    child._sum.inc(hist.total)
+    total.inc(hist.total)
 
 
 # Scrape -----------------------------------------------------------------------------------

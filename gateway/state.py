@@ -1,8 +1,9 @@
 """Per-process state of the data path: caches, the agent pool, the rate limiter.
 
 Keys, quotas and routes are cached in process so a warm request touches no database. A
-refresh loop polls the config generation (see ``fleet.changes``) and drops the caches when it
-moves, pushes new assignments to the agents this process holds, learns where agents held by
+refresh loop polls the config generation (see ``fleet.changes``); when it moves, it reads the
+changes since and drops only the entries they touch (a key's identity, a tenant's, a model's
+routes), pushes new assignments to the agents this process holds, learns where agents held by
 other processes are, and writes API-key last-used times in bulk.
 """
 
@@ -22,7 +23,8 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from fleet import coldstart, gateways, nodes
-from fleet.changes import read_generation
+from fleet.changes import Change, changes_since
+from fleet.models import ChangeKind
 from monitoring.budgets import stopped_tenants
 from monitoring.traffic import TrafficCounter, save_samples
 from rollouts.routing import Split, active_split
@@ -218,6 +220,42 @@ class GatewayState:
         self._splits.clear()
         self._by_id.clear()
 
+    def forget(self, changes: list[Change] | None) -> bool:
+        """Drop the cached entries these changes touch (None: changes this process can no
+        longer read, so every entry); returns whether agents' assignments may have moved (any
+        change but a key's). One pass over each cache, however many changes."""
+        if changes is None or any(c.kind == ChangeKind.ALL for c in changes):
+            self.clear_caches()
+            return True
+        key_ids = {c.object_id for c in changes if c.kind == ChangeKind.KEY}
+        tenants = {c.tenant_id for c in changes if c.kind == ChangeKind.TENANT}
+        model_ids = {c.object_id for c in changes if c.kind == ChangeKind.MODEL}
+        # By name too: a model created (or renamed) under a name cached as missing.
+        names = {(c.tenant_id, c.name) for c in changes if c.kind == ChangeKind.MODEL}
+        if key_ids or tenants:
+            for raw, identity in list(self._keys.items()):
+                if identity is None:  # unknown or revoked: a key change may have made it known
+                    stale = bool(key_ids)
+                else:
+                    stale = identity.key_id in key_ids or identity.tenant_id in tenants
+                if stale:
+                    del self._keys[raw]
+        if tenants or model_ids:
+            for key, found in list(self._routes.items()):
+                if (
+                    key[0] in tenants
+                    or key[:2] in names
+                    or (isinstance(found, Route) and found.model_id in model_ids)
+                ):
+                    del self._routes[key]
+            for split_key in list(self._splits):
+                if split_key[0] in tenants or split_key[:2] in names:
+                    del self._splits[split_key]
+            for id_key, route in list(self._by_id.items()):
+                if id_key[0] in tenants or route.model_id in model_ids:
+                    del self._by_id[id_key]
+        return any(c.kind != ChangeKind.KEY for c in changes)
+
     def observe(self, observed: Observed, status: int) -> None:
         """A prediction was answered: count it, and offer it to the prediction log (which
         samples it, and never blocks)."""
@@ -271,12 +309,11 @@ class GatewayState:
     async def refresh_once(self) -> None:
         self.metrics.fold()
         fold_dispatched(self.pool.dispatched)
-        generation = await db_call(read_generation)()
-        if generation != self._generation:
-            first = self._generation is None
+        seen = self._generation
+        generation, changes = await db_call(changes_since)(seen)
+        if generation != seen:
             self._generation = generation
-            if not first:
-                self.clear_caches()
+            if seen is not None and self.forget(changes):
                 for consumer in list(self.agent_consumers):
                     await consumer.push_assignment()
         await self._refresh_agents()

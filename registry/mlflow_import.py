@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import yaml
 from django.conf import settings
 from django.core.files import File
 
-from platform_site.errors import Conflict, Invalid
+from platform_site.errors import Conflict, Invalid, Unavailable
 from tenants.audit import Actor
 
 from . import services
@@ -90,8 +89,15 @@ def import_version(
     created_by_id: int | None = None,
 ) -> tuple[ModelVersion, str | None]:
     """Resolve, download and register an MLflow model version; returns it and its MLflow alias."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    try:  # the mlflow extra (mlflow-skinny, PyYAML): not every install has it
+        import yaml
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError as exc:
+        raise Unavailable(
+            f"MLflow import is not installed here ({exc.name} is missing): "
+            "install the platform with its mlflow extra, pip install 'switchyard[mlflow]'"
+        ) from None
 
     name, number, alias = parse_source(source)
     uri = tracking_uri_for(tracking_uri)

@@ -80,6 +80,27 @@ def test_folding_counts_equals_observing_each_request():
     assert counted == {"switchyard_requests_total": len(latencies)}
 
 
+def test_the_installed_prometheus_client_is_one_the_fold_was_checked_with():
+    """The fold writes prometheus-client's private per-bucket values: pyproject.toml bounds the
+    version (the test above checks the fold on it), and a version past the bound fails here
+    first, naming the bound, rather than in a scrape."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = next(
+        Requirement(r)
+        for r in pyproject["project"]["dependencies"]
+        if Requirement(r).name == "prometheus-client"
+    )
+    assert declared.specifier.contains(version("prometheus-client")), declared
+    probe = Histogram("probe", "", buckets=(1.0, 2.0), registry=None)
+    assert len(probe._buckets) == 3 and hasattr(probe._sum, "inc")
+
+
 @pytest.mark.parametrize(
     "status, reason",
     [

@@ -181,3 +181,11 @@ def test_only_the_configured_server_or_allowed_hosts_may_be_named(world, logged,
     assert response.status_code == 201, response.json()
     again = _import(world.key_a, logged["uri"], source="models:/fraud/1")
     assert again.status_code == 409  # allowed, and the same MLflow version: already imported
+
+
+def test_without_the_mlflow_extra_the_import_answers_503_naming_it(world, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # as if it were not installed
+    make_model(world.a, "clf")
+    response = _import(world.key_a, "http://127.0.0.1:5000", source="models:/fraud/1")
+    assert response.status_code == 503, response.json()
+    assert "switchyard[mlflow]" in str(response.json())
