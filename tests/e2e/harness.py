@@ -182,7 +182,18 @@ def _seed(backend: Backend, seed: Seed) -> dict[tuple, str]:
     }
 
 
-def _from_template(kind: str, backend: Backend, template: _Template) -> Backend:
+def _copy_sqlite(source: str | Path, target: Path) -> None:
+    """A consistent copy of a SQLite database, its -wal file included (the settings put SQLite
+    in WAL mode: a copy of the main file alone may miss the last transactions)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        dst.close()
+        src.close()
+
+
+def _from_template(backend: Backend, template: _Template) -> Backend:
     secret = template.var_dir / "secret_key"
     if secret.exists():
         shutil.copyfile(secret, backend.var_dir / "secret_key")
@@ -197,8 +208,8 @@ def _embedded_template(seed: Seed) -> _Template:
         backend = Backend("embedded", _base_env(template_dir), template_dir)
         if seed:
             base = _embedded_template(NO_SEED)
-            shutil.copyfile(base.ref, template_dir / "switchyard.sqlite3")
-            _from_template("embedded", backend, base)
+            _copy_sqlite(base.ref, template_dir / "switchyard.sqlite3")
+            _from_template(backend, base)
         else:
             backend.manage("migrate", "--noinput", "-v0")
         seeded = _seed(backend, seed)
@@ -212,8 +223,8 @@ def embedded_backend(tmp: Path, seed: Seed = NO_SEED) -> Backend:
     """A fresh SQLite database of its own (a copy of one migrated, and seeded, for the
     session)."""
     template = _embedded_template(seed)
-    shutil.copyfile(template.ref, tmp / "switchyard.sqlite3")
-    return _from_template("embedded", Backend("embedded", _base_env(tmp), tmp), template)
+    _copy_sqlite(template.ref, tmp / "switchyard.sqlite3")
+    return _from_template(Backend("embedded", _base_env(tmp), tmp), template)
 
 
 def _admin_url() -> str:
@@ -221,7 +232,7 @@ def _admin_url() -> str:
 
 
 def _create_database(template: str | None = None) -> str:
-    """A new PostgreSQL database (a copy of ``template`` if given), dropped at exit."""
+    """A new PostgreSQL database (a copy of ``template`` if given); the caller drops it."""
     import psycopg
 
     admin_url = _admin_url()
@@ -254,7 +265,7 @@ def _postgres_template(seed: Seed) -> _Template:
         env = _base_env(template_dir) | {"DATABASE_URL": _database_url(name)}
         backend = Backend("services", env, template_dir)
         if base:
-            _from_template("services", backend, base)
+            _from_template(backend, base)
         else:
             backend.manage("migrate", "--noinput", "-v0")
         _templates["services", seed] = _Template(name, template_dir, _seed(backend, seed))
@@ -275,7 +286,7 @@ def services_backend(tmp: Path, seed: Seed = NO_SEED) -> Backend:
     env.update(DATABASE_URL=_database_url(name), REDIS_URL=redis_url)
     backend = Backend("services", env, tmp)
     backend.cleanup.append(lambda: _drop_database(name))
-    return _from_template("services", backend, template)
+    return _from_template(backend, template)
 
 
 def free_port() -> int:
