@@ -39,7 +39,7 @@ up: install
 # The whole suite against PostgreSQL + Redis when reachable (DATABASE_URL/REDIS_URL, else the
 # local defaults), then the embedded default (SQLite, no Redis).
 test: install
-	bash scripts/test.sh
+	bash scripts/test.sh $(ARGS)
 
 # Style, the import layers (pyproject's import-linter contracts) and the type check.
 lint: install

@@ -32,8 +32,6 @@ import numpy as np
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.utils import timezone
-from scipy.spatial.distance import jensenshannon
-from scipy.stats import ks_2samp
 
 from registry.models import Model, ModelVersion, ReferenceSample
 from registry.reference import MAX_ROWS, MIN_ROWS, save_reference, value_type
@@ -96,6 +94,10 @@ def psi(reference: Any, current: Any, bins: int = BINS) -> float:
 
 def ks(reference: Any, current: Any) -> tuple[float, float]:
     """The two-sample Kolmogorov–Smirnov statistic and its p-value."""
+    # scipy.stats costs ~0.5 s to import, and every Django process imports this module (the
+    # rollouts admin, through approvals): only a drift run pays for it.
+    from scipy.stats import ks_2samp
+
     result = ks_2samp(np.asarray(reference, dtype=float), np.asarray(current, dtype=float))
     return float(result.statistic), float(result.pvalue)
 
@@ -187,6 +189,8 @@ def compare(ref: Profile, valid: list[Any], threshold: float) -> dict[str, Any]:
         statistic, pvalue = ks(ref.numbers, current)
         entry |= {"ks": statistic, "ks_pvalue": pvalue, "edges": edges.tolist()}
     else:
+        from scipy.spatial.distance import jensenshannon  # see ks()
+
         names, r, c = category_shares(ref.labels, [category(v) for v in valid])
         entry |= {"distance": float(jensenshannon(r, c, base=2)), "categories": names}
     value = psi_of_shares(r, c)

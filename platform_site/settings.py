@@ -11,6 +11,7 @@ environment variable it comes from (``settings.SWITCHYARD_INFER_TIMEOUT_S`` is
 """
 
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from importlib.util import find_spec
@@ -95,7 +96,9 @@ ALLOWED_HOSTS = [h.strip() for h in env("ALLOWED_HOSTS", "localhost,127.0.0.1,[:
 CSRF_TRUSTED_ORIGINS = [o for o in env("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [
-    "daphne",
+    # daphne's app only gives `runserver` an ASGI server; loading it imports Twisted and installs
+    # its reactor (~0.2 s in every process: uvicorn workers, Celery, manage.py), so only there.
+    *(["daphne"] if sys.argv[1:2] == ["runserver"] else []),
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

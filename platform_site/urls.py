@@ -9,6 +9,7 @@ from django.views.defaults import server_error as django_server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from gateway import openai_api
+from tenants import schema  # noqa: F401  (registers the OpenAPI auth extension for /api/schema/)
 
 # Each API answers its errors in its own shape, even the ones Django raises before a view runs
 # (no such URL, a body past DATA_UPLOAD_MAX_MEMORY_SIZE, a bad Host): OpenAI clients read

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.stats import beta, binom
 
 from monitoring.traffic import fine_lower_ms
 
@@ -92,6 +91,8 @@ def proportion_lower(successes: int, trials: int, alpha: float) -> float:
     """One-sided Clopper-Pearson lower bound: the true proportion is above it with 1 - alpha."""
     if successes <= 0 or trials <= 0:
         return 0.0
+    from scipy.stats import beta  # ~0.5 s to import, in every process that loads the admin
+
     return float(beta.ppf(alpha, successes, trials - successes + 1))
 
 
@@ -101,6 +102,8 @@ def proportion_upper(successes: int, trials: int, alpha: float) -> float:
         return 1.0
     if successes >= trials:
         return 1.0
+    from scipy.stats import beta  # see proportion_lower
+
     return float(beta.ppf(1 - alpha, successes + 1, trials - successes))
 
 
@@ -126,6 +129,8 @@ def quantile_bounds(fine: Mapping[int, int], q: float, alpha: float) -> Quantile
     n = sum(fine.values())
     if n == 0:
         return QuantileBounds(0.0, math.inf, 0)
+    from scipy.stats import binom  # see proportion_lower
+
     low_rank = int(binom.ppf(alpha, n, q))  # P(Bin <= low_rank - 1) < alpha
     high_rank = int(binom.ppf(1 - alpha, n, q)) + 1  # P(Bin <= high_rank - 1) >= 1 - alpha
     lower, upper = 0.0, math.inf

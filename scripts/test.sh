@@ -17,21 +17,61 @@ WORKERS="${TEST_WORKERS:-2}"
 embedded() { (unset DATABASE_URL REDIS_URL; SWITCHYARD_VAR_DIR="$(mktemp -d)" && export SWITCHYARD_VAR_DIR && "$@"); }
 # pytest exits 5 when a pass selects no test (e.g. `make test ARGS=tests/test_keys.py` has no
 # end-to-end test): that pass has nothing to say.
-pytest() { "$PY" -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
+pytest() {
+  local rc=0
+  "$PY" -m pytest "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then rc=0; fi
+  return "$rc"
+}
+
+# Each pass collects only the files that can hold its tests (collecting all of tests/ costs each
+# pytest process ~45 s): the end-to-end tests live in tests/e2e (tests/conftest.py fails a run
+# where one there is not marked e2e) and in the few files elsewhere that mark some e2e; the
+# `backends` pass reads the files that use that marker. Given paths (`make test ARGS=...`)
+# replace these.
+E2E=(tests/e2e $(grep -rlE --include='test_*.py' 'mark\.e2e\b' tests | grep -v '^tests/e2e/' | sort))
+BACKENDS=($(grep -rlE --include='test_*.py' 'mark\.backends\b' tests | grep -v '^tests/e2e/' | sort))
+UNIT=(tests --ignore=tests/e2e)
+has_paths=false
+for arg in "$@"; do case "$arg" in tests*|./tests*) has_paths=true ;; esac; done
+if $has_paths; then E2E=(); BACKENDS=(); UNIT=(); fi
+
+# Each pass's time, and the total, printed as they end and again at the end.
+started=$SECONDS
+times=()
+stage() {
+  local name=$1 t0=$SECONDS status=0
+  shift
+  echo "== $name"
+  "$@" || status=$?
+  times+=("$(printf '%6d s  %s' $((SECONDS - t0)) "$name")")
+  echo "-- $name: $((SECONDS - t0)) s"
+  return "$status"
+}
+summary() {
+  echo "== stage times"
+  printf '%s\n' "${times[@]}"
+  printf '%6d s  total\n' $((SECONDS - started))
+}
+trap summary EXIT
 
 if $PY scripts/services_up.py; then
-  echo "== unit and API tests: PostgreSQL + Redis ($DATABASE_URL $REDIS_URL)"
-  pytest -m "not e2e" -n "$WORKERS" "$@"
-  echo "== end-to-end tests: real processes on the embedded default and on PostgreSQL + Redis"
-  # Two workers, a module's tests on one (its platform is started once per module); then the
+  stage "unit and API tests: PostgreSQL + Redis ($DATABASE_URL $REDIS_URL)" \
+    pytest -m "not e2e" -n "$WORKERS" "${UNIT[@]}" "$@"
+  # End-to-end: real processes on the embedded default and on PostgreSQL + Redis. Two workers,
+  # a module's tests on one (its platform is started once per module and backend); then the
   # timing-sensitive ones (marked serial) alone.
-  pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "$@"
-  pytest -m "e2e and serial" --durations=12 "$@"
-  echo "== where the backend matters, again on the embedded default (SQLite, in-process layers)"
-  embedded pytest -m "backends and not e2e" -n "$WORKERS" "$@"
+  stage "end-to-end tests on two workers" \
+    pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "${E2E[@]}" "$@"
+  stage "end-to-end tests marked serial, alone" \
+    pytest -m "e2e and serial" --durations=12 "${E2E[@]}" "$@"
+  stage "where the backend matters, again on the embedded default (SQLite, in-process layers)" \
+    embedded pytest -m "backends and not e2e" -n "$WORKERS" "${BACKENDS[@]}" "$@"
 else
   echo "== PostgreSQL/Redis not reachable: everything on the embedded default"
-  embedded pytest -m "not e2e" -n "$WORKERS" "$@"
-  embedded pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "$@"
-  embedded pytest -m "e2e and serial" "$@"
+  stage "unit and API tests: embedded" embedded pytest -m "not e2e" -n "$WORKERS" "${UNIT[@]}" "$@"
+  stage "end-to-end tests on two workers: embedded" \
+    embedded pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "${E2E[@]}" "$@"
+  stage "end-to-end tests marked serial, alone: embedded" \
+    embedded pytest -m "e2e and serial" "${E2E[@]}" "$@"
 fi

@@ -9,7 +9,6 @@ class TenantsConfig(AppConfig):
         from axes.signals import user_locked_out
         from django.db.models.signals import pre_delete
 
-        from . import schema  # noqa: F401  (registers the OpenAPI auth extension)
         from .audit import audit_tenant_deletion
         from .logins import on_user_locked_out
         from .models import Tenant

@@ -8,12 +8,28 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.factories import make_key, make_member, make_tenant
 from tests.onnx_models import small_onnx
+
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """scripts/test.sh's unit pass does not collect tests/e2e (each pass collects only the files
+    that can hold its tests): a test there that is not marked e2e would run in no pass."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.path.is_relative_to(E2E_DIR) and item.get_closest_marker("e2e") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests under tests/e2e must be marked e2e: {unmarked}")
 
 
 @pytest.fixture(scope="session")

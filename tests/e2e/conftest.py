@@ -11,8 +11,12 @@ import pytest
 from tests.onnx_models import slow_onnx, small_onnx
 
 from .harness import (
+    AGENT_SEED,
+    NO_SEED,
+    STACK_SEED,
     Backend,
     Proc,
+    Seed,
     create_node,
     create_tenant,
     embedded_backend,
@@ -31,12 +35,14 @@ BACKENDS = ["embedded", "services"]
 SERVERS = ["uvicorn", "daphne"]
 
 
-def make_backend(name: str, tmp) -> Backend:
+def make_backend(name: str, tmp, seed: Seed = NO_SEED) -> Backend:
+    """A backend of its own; ``seed``: rows its database starts with, which create_node and
+    create_tenant then hand out instead of making them (harness.STACK_SEED)."""
     if name == "services":
         if not services_available():
             pytest.skip("DATABASE_URL (PostgreSQL) and REDIS_URL are not set")
-        return services_backend(tmp)
-    return embedded_backend(tmp)
+        return services_backend(tmp, seed)
+    return embedded_backend(tmp, seed)
 
 
 @dataclass
@@ -79,7 +85,7 @@ def wait_ready(client: httpx.Client, name: str, timeout: float = 30, proc: Proc 
 )
 def stack(request, tmp_path_factory):
     backend_name, server_kind = request.param
-    backend = make_backend(backend_name, tmp_path_factory.mktemp(backend_name))
+    backend = make_backend(backend_name, tmp_path_factory.mktemp(backend_name), STACK_SEED)
     port = free_port()
     server = start_server(backend, server_kind, port)
     url = f"http://127.0.0.1:{port}"
@@ -108,7 +114,7 @@ def stack(request, tmp_path_factory):
 def platform_with_agent(backend_name: str, tmp, env: dict | None = None, celery: bool = False):
     """A backend, a uvicorn server and one agent (and Celery worker and beat if asked);
     yields (backend, url, processes) and stops everything afterwards."""
-    backend = make_backend(backend_name, tmp)
+    backend = make_backend(backend_name, tmp, AGENT_SEED)
     backend.env.update(env or {})
     port = free_port()
     url = f"http://127.0.0.1:{port}"

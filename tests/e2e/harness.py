@@ -45,6 +45,9 @@ class Backend:
     env: dict[str, str]
     var_dir: Path
     cleanup: list = field(default_factory=list)
+    # Rows the backend's database was copied with (its template's seed): what create_tenant and
+    # create_node hand out, once each, instead of running manage.py (Seed).
+    seeded: dict[tuple, str] = field(default_factory=dict)
 
     def manage(self, *args: str, timeout: float = 120) -> str:
         done = subprocess.run(
@@ -118,73 +121,172 @@ def _base_env(var_dir: Path) -> dict[str, str]:
 
 
 # A migrate takes seconds and dozens of backends are made per run: each kind of backend is
-# migrated once per test session, and every backend starts from a copy of that database.
-_migrated: dict[str, str] = {}
+# migrated once per test session, and every backend starts from a copy of that database. The
+# standard fixtures' first rows (a node, two tenants) are made once too, in a template of their
+# own per seed (STYLE.md 22): three manage.py processes cost ~10 s per platform started.
+Seed = tuple[tuple[str, ...], ...]
+NO_SEED: Seed = ()
+# The `stack` fixture's node and tenants, and platform_with_agent's node.
+STACK_SEED: Seed = (("node", "node-1"), ("tenant", "alpha"), ("tenant", "beta"))
+AGENT_SEED: Seed = (("node", "n"),)
 
 
-def embedded_backend(tmp: Path) -> Backend:
-    """A fresh SQLite database of its own (a copy of one migrated for the session)."""
-    if "embedded" not in _migrated:
-        template_dir = Path(tempfile.mkdtemp(prefix="sy-e2e-migrated-"))
-        Backend("embedded", _base_env(template_dir), template_dir).manage(
-            "migrate", "--noinput", "-v0"
-        )
-        _migrated["embedded"] = str(template_dir / "switchyard.sqlite3")
+@dataclass
+class _Template:
+    ref: str  # the SQLite file, or the PostgreSQL database's name
+    var_dir: Path  # where its secret_key was made (copied to each backend)
+    seeded: dict[tuple, str]
+
+
+_templates: dict[tuple[str, Seed], _Template] = {}
+
+
+def _tenant_args(slug: str, rps: float, burst: int) -> list[str]:
+    args = ["--rps", str(rps), "--burst", str(burst), "--owner", f"{slug}-engineer"]
+    return ["create_tenant", slug, *args, "--scopes", "predict,deploy", "--json", "--skip-checks"]
+
+
+def _seed_key(item: tuple[str, ...]) -> tuple:
+    """The create_node / create_tenant call (with its defaults) that a seeded row stands for."""
+    return ("node", item[1]) if item[0] == "node" else ("tenant", item[1], 1000.0, 2000)
+
+
+_SEED_CODE = """
+import io, json, sys
+from django.core.management import call_command
+outputs = []
+for args in json.loads(sys.argv[-1]):
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    outputs.append(out.getvalue())
+print("SEEDED " + json.dumps(outputs))
+"""
+
+
+def _seed(backend: Backend, seed: Seed) -> dict[tuple, str]:
+    """Run the seed's create_tenant/create_node in one manage.py process; what each made."""
+    if not seed:
+        return {}
+    commands = [
+        _tenant_args(item[1], 1000, 2000)
+        if item[0] == "tenant"
+        else ["create_node", item[1], "--quiet", "--skip-checks"]
+        for item in seed
+    ]
+    code = _SEED_CODE.replace("sys.argv[-1]", repr(json.dumps(commands)))
+    out = backend.shell(code)
+    outputs = json.loads(out[out.index("SEEDED ") + len("SEEDED ") :])
+    return {
+        _seed_key(item): json.loads(text)["api_key"] if item[0] == "tenant" else text.strip()
+        for item, text in zip(seed, outputs, strict=True)
+    }
+
+
+def _copy_sqlite(source: str | Path, target: Path) -> None:
+    """A consistent copy of a SQLite database, its -wal file included (the settings put SQLite
+    in WAL mode: a copy of the main file alone may miss the last transactions)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        dst.close()
+        src.close()
+
+
+def _from_template(backend: Backend, template: _Template) -> Backend:
+    secret = template.var_dir / "secret_key"
+    if secret.exists():
+        shutil.copyfile(secret, backend.var_dir / "secret_key")
+    backend.seeded = dict(template.seeded)
+    return backend
+
+
+def _embedded_template(seed: Seed) -> _Template:
+    if ("embedded", seed) not in _templates:
+        template_dir = Path(tempfile.mkdtemp(prefix="sy-e2e-template-"))
         atexit.register(shutil.rmtree, template_dir, True)
-    shutil.copyfile(_migrated["embedded"], tmp / "switchyard.sqlite3")
-    return Backend("embedded", _base_env(tmp), tmp)
+        backend = Backend("embedded", _base_env(template_dir), template_dir)
+        if seed:
+            base = _embedded_template(NO_SEED)
+            _copy_sqlite(base.ref, template_dir / "switchyard.sqlite3")
+            _from_template(backend, base)
+        else:
+            backend.manage("migrate", "--noinput", "-v0")
+        seeded = _seed(backend, seed)
+        _templates["embedded", seed] = _Template(
+            str(template_dir / "switchyard.sqlite3"), template_dir, seeded
+        )
+    return _templates["embedded", seed]
+
+
+def embedded_backend(tmp: Path, seed: Seed = NO_SEED) -> Backend:
+    """A fresh SQLite database of its own (a copy of one migrated, and seeded, for the
+    session)."""
+    template = _embedded_template(seed)
+    _copy_sqlite(template.ref, tmp / "switchyard.sqlite3")
+    return _from_template(Backend("embedded", _base_env(tmp), tmp), template)
 
 
 def _admin_url() -> str:
     return os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
 
 
-def _migrated_postgres(tmp: Path) -> str:
-    """The name of a PostgreSQL database migrated once for the session, to copy from."""
+def _create_database(template: str | None = None) -> str:
+    """A new PostgreSQL database (a copy of ``template`` if given); the caller drops it."""
     import psycopg
-
-    if "services" not in _migrated:
-        admin_url = _admin_url()
-        name = f"sy_e2e_migrated_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        env = _base_env(tmp) | {"DATABASE_URL": f"{admin_url.rsplit('/', 1)[0]}/{name}"}
-        Backend("services", env, tmp).manage("migrate", "--noinput", "-v0")
-        _migrated["services"] = name
-
-        def drop() -> None:
-            with psycopg.connect(admin_url, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-        atexit.register(drop)
-    return _migrated["services"]
-
-
-def services_backend(tmp: Path) -> Backend:
-    """A fresh PostgreSQL database (a copy of one migrated for the session) and a flushed Redis
-    database of their own."""
-    import psycopg
-    import redis
 
     admin_url = _admin_url()
-    template = _migrated_postgres(tmp)
     name = f"sy_e2e_{uuid.uuid4().hex[:10]}"
+    copy = f' TEMPLATE "{template}"' if template else ""
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    base = admin_url.rsplit("/", 1)[0]
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
+    return name
+
+
+def _drop_database(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(_admin_url(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _database_url(name: str) -> str:
+    return f"{_admin_url().rsplit('/', 1)[0]}/{name}"
+
+
+def _postgres_template(seed: Seed) -> _Template:
+    """A PostgreSQL database migrated (and seeded) once for the session, to copy from."""
+    if ("services", seed) not in _templates:
+        base = _postgres_template(NO_SEED) if seed else None
+        name = _create_database(base.ref if base else None)
+        atexit.register(_drop_database, name)
+        template_dir = Path(tempfile.mkdtemp(prefix="sy-e2e-template-"))
+        atexit.register(shutil.rmtree, template_dir, True)
+        env = _base_env(template_dir) | {"DATABASE_URL": _database_url(name)}
+        backend = Backend("services", env, template_dir)
+        if base:
+            _from_template(backend, base)
+        else:
+            backend.manage("migrate", "--noinput", "-v0")
+        _templates["services", seed] = _Template(name, template_dir, _seed(backend, seed))
+    return _templates["services", seed]
+
+
+def services_backend(tmp: Path, seed: Seed = NO_SEED) -> Backend:
+    """A fresh PostgreSQL database (a copy of one migrated, and seeded, for the session) and a
+    flushed Redis database of their own."""
+    import redis
+
+    template = _postgres_template(seed)
+    name = _create_database(template.ref)
     redis_base = os.environ["REDIS_URL"].rsplit("/", 1)[0]
     redis_url = f"{redis_base}/{next(_redis_db)}"
     redis.Redis.from_url(redis_url).flushdb()
     env = _base_env(tmp)
-    env.update(DATABASE_URL=f"{base}/{name}", REDIS_URL=redis_url)
+    env.update(DATABASE_URL=_database_url(name), REDIS_URL=redis_url)
     backend = Backend("services", env, tmp)
-
-    def drop() -> None:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    backend.cleanup.append(drop)
-    return backend
+    backend.cleanup.append(lambda: _drop_database(name))
+    return _from_template(backend, template)
 
 
 def free_port() -> int:
@@ -286,13 +388,18 @@ def wait_until(check, timeout: float, proc: Proc | None = None, interval: float 
 
 def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2000) -> str:
     """A tenant and an engineer's key that infers and deploys (the tests upload with it)."""
-    args = ["--rps", str(rps), "--burst", str(burst), "--owner", f"{slug}-engineer"]
-    out = backend.manage("create_tenant", slug, *args, "--scopes", "predict,deploy", "--json")
-    return json.loads(out)["api_key"]
+    seeded = backend.seeded.pop(("tenant", slug, float(rps), burst), None)
+    if seeded is not None:
+        return seeded
+    return json.loads(backend.manage(*_tenant_args(slug, rps, burst)))["api_key"]
 
 
 def create_node(backend: Backend, name: str) -> str:
-    return backend.manage("create_node", name, "--quiet").strip()
+    seeded = backend.seeded.pop(("node", name), None)
+    if seeded is not None:
+        return seeded
+    # --skip-checks: the system checks import every URL configuration and view (~0.5 s).
+    return backend.manage("create_node", name, "--quiet", "--skip-checks").strip()
 
 
 def dispatched(url: str) -> dict[str, float]:
