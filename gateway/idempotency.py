@@ -20,7 +20,10 @@ import msgspec
 from django.conf import settings
 
 from tenants import idempotency
-from tenants.idempotency import STORED_STATUSES, Stored
+
+# Stored is re-exported: the doors name the first answer as idempotency.Stored.
+from tenants.idempotency import STORED_STATUSES
+from tenants.idempotency import Stored as Stored
 from tenants.ratelimit import RedisCircuit, redis_client
 
 log = logging.getLogger(__name__)

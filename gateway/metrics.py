@@ -18,8 +18,9 @@ import bisect
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from prometheus_client import (
@@ -223,11 +224,11 @@ class RequestMetrics:
     # bench/observability_bench.py (likely their memory gone cold between requests), and a
     # sample shows where the time goes as well. Requests and latency count every request.
     stage_every: int = 1
-    requests: dict[tuple, int] = field(default_factory=dict)
-    latency: dict[tuple, _Hist] = field(default_factory=dict)
-    stages: dict[tuple, dict[str, _Hist]] = field(default_factory=dict)  # (tenant, model)
-    rejected: dict[tuple, int] = field(default_factory=dict)
-    degraded_answers: dict[tuple, int] = field(default_factory=dict)
+    requests: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    latency: dict[tuple[Any, ...], _Hist] = field(default_factory=dict)
+    stages: dict[tuple[Any, ...], dict[str, _Hist]] = field(default_factory=dict)  # (tenant, model)
+    rejected: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    degraded_answers: dict[tuple[Any, ...], int] = field(default_factory=dict)
     _until_stages: int = 0
 
     def degraded(self, tenant: str, route: Route, step: str) -> None:
@@ -251,7 +252,7 @@ class RequestMetrics:
             reject_key = (tenant, reason)
             self.rejected[reject_key] = self.rejected.get(reject_key, 0) + 1
 
-    def _record_stages(self, tenant_model: tuple, spent: dict[str, float]) -> None:
+    def _record_stages(self, tenant_model: tuple[Any, ...], spent: dict[str, float]) -> None:
         stages = self.stages.get(tenant_model)
         if stages is None:
             stages = self.stages[tenant_model] = {}
@@ -298,7 +299,7 @@ class LocalHistogram:
             _fold_histogram(child, hist)
 
 
-def _add(hists: dict, key: object, bounds: tuple, value: float) -> None:
+def _add(hists: dict[Any, _Hist], key: Hashable, bounds: tuple[Any, ...], value: float) -> None:
     hist = hists.get(key)
     if hist is None:
         hist = hists[key] = _Hist([0] * (len(bounds) + 1))
@@ -412,7 +413,7 @@ class AgentRow:
     agent: str
     node: str
     deployment: str
-    stats: dict
+    stats: dict[str, Any]
     versions: dict[int, tuple[str, str, str]]  # version id -> (tenant, model, version)
 
 

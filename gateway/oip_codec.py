@@ -73,7 +73,7 @@ def parse_infer(body: bytes, header_length: str | None, route: Route) -> ParsedI
 
 
 def _parse_input(
-    item: object, i: int, route: Route, binary: bytes, offset: int, seen: list
+    item: object, i: int, route: Route, binary: bytes, offset: int, seen: list[Any]
 ) -> tuple[np.ndarray, int]:
     where = f"inputs[{i}]"
     if not isinstance(item, dict):
@@ -181,7 +181,7 @@ def _from_json_data(data: object, dtype: np.dtype, where: str) -> np.ndarray:
     return array.astype(dtype)
 
 
-def _parse_outputs(doc: dict, route: Route) -> tuple[list[str] | None, set[str]]:
+def _parse_outputs(doc: dict[str, Any], route: Route) -> tuple[list[str] | None, set[str]]:
     params = doc.get("parameters")
     all_binary = isinstance(params, dict) and bool(params.get("binary_data_output"))
     requested = doc.get("outputs")
@@ -224,7 +224,7 @@ def render_infer(
     # A classifier's probabilities say which class each column is (read from the artifact).
     parameters_of = {o["name"]: o["parameters"] for o in route.outputs if "parameters" in o}
     for name, array in outputs:
-        tensor: dict = {
+        tensor: dict[str, Any] = {
             "name": name,
             "datatype": "BYTES" if array.dtype.kind in "OUS" else NUMPY_TO_OIP[array.dtype],
             "shape": list(array.shape),

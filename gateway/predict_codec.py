@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .checks import check_complete, check_tensor
@@ -70,7 +72,7 @@ def _text_array(values: object, where: str) -> np.ndarray:
     return array
 
 
-def _columns_from_instances(instances: object, route: Route) -> dict[str, list]:
+def _columns_from_instances(instances: object, route: Route) -> dict[str, list[Any]]:
     if not isinstance(instances, list) or not instances:
         raise ApiError(400, "instances: must be a non-empty list of rows")
     if route.feature_names:
@@ -79,7 +81,7 @@ def _columns_from_instances(instances: object, route: Route) -> dict[str, list]:
         }
     if len(route.inputs) == 1 and not isinstance(instances[0], dict):
         return {route.inputs[0].name: instances}
-    columns: dict[str, list] = {spec.name: [] for spec in route.inputs}
+    columns: dict[str, list[Any]] = {spec.name: [] for spec in route.inputs}
     for i, row in enumerate(instances):
         if not isinstance(row, dict):
             raise ApiError(400, f"instances[{i}]: must be an object of input name to value")
@@ -93,7 +95,7 @@ def _columns_from_instances(instances: object, route: Route) -> dict[str, list]:
     return columns
 
 
-def _row_from_features(row: object, i: int, route: Route) -> list:
+def _row_from_features(row: object, i: int, route: Route) -> list[Any]:
     if isinstance(row, list):
         return row
     if not isinstance(row, dict):

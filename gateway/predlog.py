@@ -65,7 +65,7 @@ TRANSIENT = (OperationalError, InterfaceError)
 Record = dict[str, Any]  # the fields of one ``PredictionLog`` row, by name
 
 
-def _shape_only(a: np.ndarray) -> dict:
+def _shape_only(a: np.ndarray) -> dict[str, Any]:
     return {"shape": list(a.shape), "dtype": str(a.dtype)}
 
 
@@ -77,7 +77,7 @@ def input_columns(
     ranks (images, sequences) only their shape. Personal fields, named by feature or by input,
     are redacted or replaced by a keyed hash first."""
     personal = dict(route.personal_fields)
-    columns: dict = {}
+    columns: dict[str, Any] = {}
     for name, array in zip(names, arrays, strict=False):
         array = np.asarray(array)
         if array.ndim > 2:
@@ -101,7 +101,7 @@ def input_columns(
     return columns
 
 
-def _protect(values: list, rule: str | None, hash_key: bytes) -> list:
+def _protect(values: list[Any], rule: str | None, hash_key: bytes) -> list[Any]:
     if rule == "redact":
         return [REDACTED] * len(values)
     if rule == "hash":
@@ -169,7 +169,7 @@ class Sample(NamedTuple):
         return next(build_records([self], hash_key))
 
 
-def stack_key(sample: Sample) -> tuple | None:
+def stack_key(sample: Sample) -> tuple[Any, ...] | None:
     """Samples with equal keys can be built together by ``build_records``: the same route,
     tensor names, and per tensor the dtype and the shape past the rows. None for a sample built
     on its own: a tensor of higher rank or of text, or tensors of differing row counts."""
@@ -221,7 +221,7 @@ def build_records(samples: Sequence[Sample], hash_key: bytes) -> Iterator[Record
 
 
 def _sliced(
-    samples: Sequence[Sample], inputs: dict, outputs: dict, scores: list
+    samples: Sequence[Sample], inputs: dict[str, Any], outputs: dict[str, Any], scores: list[Any]
 ) -> Iterator[Record]:
     """Each sample's record: its rows of the stacked columns."""
     end = 0
@@ -255,7 +255,7 @@ def batch_records(
     """The records of a batch, as the write consumes them. Samples that stack are built
     together; the rest, and a group that fails, one by one, so that a tensor we cannot describe
     loses its own record (put in ``unrecordable``), not the batch."""
-    groups: dict[tuple | None, list[Sample]] = {}
+    groups: dict[tuple[Any, ...] | None, list[Sample]] = {}
     for sample in batch:
         groups.setdefault(stack_key(sample), []).append(sample)
     for key, samples in groups.items():

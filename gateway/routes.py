@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Route:
     version: int
     task: str
     inputs: tuple[InputSpec, ...]
-    outputs: tuple[dict, ...]
+    outputs: tuple[dict[str, Any], ...]
     feature_names: tuple[str, ...]
     # Text generation: streamed tokens instead of tensors, within the version's token limits.
     generates_text: bool = False

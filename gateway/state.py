@@ -55,8 +55,10 @@ DB_RETRY_AFTER_S = 1  # Retry-After of a request whose lookup the database did n
 READY_STALE_S = 30.0
 
 T = TypeVar("T")
+_K = TypeVar("_K")  # a cache's key and value (_remember)
+_V = TypeVar("_V")
 
-Progress = Callable[[dict], Awaitable[None]]
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class GatewayState:
@@ -105,7 +107,7 @@ class GatewayState:
         self._last_flush = time.monotonic()
         self._task: asyncio.Task[None] | None = None
         self._reply_task: asyncio.Task[None] | None = None
-        self.agent_consumers: set = set()  # AgentConsumer instances held by this process
+        self.agent_consumers: set[Any] = set()  # AgentConsumer instances held by this process
         # This process's address for agents' data links (None: agents reach it only through
         # their main connection), and the other live processes' addresses.
         self.link_listener: LinkListener | None = None
@@ -209,7 +211,7 @@ class GatewayState:
             return False
 
     @staticmethod
-    def _remember(cache: dict, key: object, value: object) -> None:
+    def _remember(cache: dict[_K, _V], key: _K, value: _V) -> None:
         if len(cache) >= MAX_CACHED:
             cache.clear()
         cache[key] = value

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from registry.models import Model, TaskKind
+from fleet.models import AgentSession, Node
+from registry.models import Model, ModelVersion, TaskKind
 from registry.services import create_version, set_alias
 from tenants.audit import Actor
 from tenants.keys import create_api_key
-from tenants.models import Membership, Quota, Tenant
+from tenants.models import ApiKey, Membership, Quota, Tenant
 
 
 def make_tenant(slug: str, rps: float = 1000.0, burst: int = 2000) -> Tenant:
@@ -22,9 +26,9 @@ def make_key(
     tenant: Tenant,
     name: str = "test key",
     scopes: tuple[str, ...] = ("predict", "deploy"),
-    creator=None,
-    **details,
-):
+    creator: User | None = None,
+    **details: Any,
+) -> tuple[ApiKey, str]:
     """A key of ``tenant`` acting as ``creator`` (by default the tenant's "key owner", an
     engineer), able to infer and deploy unless told otherwise."""
     if creator is None:
@@ -34,14 +38,14 @@ def make_key(
     return create_api_key(tenant, name, actor, scopes=scopes, **details)
 
 
-def key_owner(tenant: Tenant):
+def key_owner(tenant: Tenant) -> User:
     """The engineer who makes a tenant's test keys (created once per tenant)."""
     username = f"key-owner-{tenant.slug}"
     user = get_user_model().objects.filter(username=username).first()
     return user or make_member(tenant, username, "engineer")
 
 
-def make_member(tenant: Tenant, username: str, role: str):
+def make_member(tenant: Tenant, username: str, role: str) -> User:
     user = get_user_model().objects.create_user(username, password=f"pw-{username}-1")
     Membership.objects.create(tenant=tenant, user=user, role=role)
     return user
@@ -67,14 +71,18 @@ def make_model(tenant: Tenant, name: str = "clf", task: str = TaskKind.CLASSIFIE
     return Model.objects.create(tenant=tenant, name=name, task=task)
 
 
-def make_version(model: Model, artifact: bytes, alias: str | None = "production", **details):
+def make_version(
+    model: Model, artifact: bytes, alias: str | None = "production", **details: Any
+) -> ModelVersion:
     version = create_version(model, artifact, **details)
     if alias:
         set_alias(model, alias, version)
     return version
 
 
-def make_session(node, deployment_name: str = "", budget_bytes: int = 0, channel: str = ""):
+def make_session(
+    node: Node, deployment_name: str = "", budget_bytes: int = 0, channel: str = ""
+) -> AgentSession:
     """A live agent connection of ``node``, as the consumer records it after the hello."""
     from fleet.nodes import open_session
     from serving_agent.protocol import Hello
@@ -90,7 +98,7 @@ def make_session(node, deployment_name: str = "", budget_bytes: int = 0, channel
     return open_session(node, channel or f"test.{node.name}.{deployment_name}", hello)
 
 
-def as_user(user, tenant_slug: str = "alpha") -> APIClient:
+def as_user(user: User, tenant_slug: str = "alpha") -> APIClient:
     """An API client signed in as ``user``, acting in ``tenant_slug``."""
     client = APIClient()
     client.default_format = "json"

@@ -53,7 +53,7 @@ class Request:
 class FakeKube:
     """The server's state; tests read and change it directly."""
 
-    deployments: dict[tuple[str, str], dict] = field(default_factory=dict)
+    deployments: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
     log: list[Request] = field(default_factory=list)
     version: int = 100
@@ -82,7 +82,7 @@ class FakeKube:
         return str(self.version)
 
 
-def status(code: int, reason: str, message: str) -> dict:
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {
         "kind": "Status",
         "apiVersion": "v1",
@@ -94,7 +94,7 @@ def status(code: int, reason: str, message: str) -> dict:
     }
 
 
-def merge(target: dict, patch: dict) -> dict:
+def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     """RFC 7386 merge patch; close enough to a strategic merge for the fields we patch."""
     for key, value in patch.items():
         if value is None:
@@ -106,7 +106,7 @@ def merge(target: dict, patch: dict) -> dict:
     return target
 
 
-def as_scale(deployment: dict) -> dict:
+def as_scale(deployment: dict[str, Any]) -> dict[str, Any]:
     meta = deployment["metadata"]
     replicas = deployment["spec"].get("replicas", 1)
     return {
@@ -174,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
         request.status = code
         self.send_json(code, body)
 
-    def send_json(self, code: int, body: dict) -> None:
+    def send_json(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
         try:
             self.send_response(code)
@@ -185,7 +185,9 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client timed out and left, as it should
 
-    def answer(self, kube: FakeKube, method: str, path: str, req: Request) -> tuple[int, dict]:
+    def answer(
+        self, kube: FakeKube, method: str, path: str, req: Request
+    ) -> tuple[int, dict[str, Any]]:
         match = PATH.match(path)
         if not match:
             return 404, status(404, "NotFound", f"the server could not find {path}")
@@ -247,7 +249,9 @@ class Handler(BaseHTTPRequestHandler):
             kube.deployments[(ns, name)] = updated
         return 200, as_scale(updated) if scale else updated
 
-    def create(self, kube: FakeKube, ns: str, body: Any, dry_run: bool) -> tuple[int, dict]:
+    def create(
+        self, kube: FakeKube, ns: str, body: Any, dry_run: bool
+    ) -> tuple[int, dict[str, Any]]:
         if not isinstance(body, dict) or body.get("kind") != "Deployment":
             return 400, status(400, "BadRequest", "body is not a Deployment")
         name = body.get("metadata", {}).get("name")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def _export(model, n_in: int) -> bytes:
+def _export(model: torch.nn.Module, n_in: int) -> bytes:
     import torch
 
     buffer = io.BytesIO()
@@ -15,7 +19,7 @@ def _export(model, n_in: int) -> bytes:
         torch.onnx.export(
             model.eval(),
             (torch.zeros(1, n_in),),
-            buffer,
+            buffer,  # type: ignore[arg-type]  # a file object works, as its docs say
             input_names=["x"],
             output_names=["y"],
             dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
@@ -47,7 +51,7 @@ def slow_onnx(width: int = 1024, depth: int = 24) -> bytes:
             self.hidden = torch.nn.Linear(width, width)
             self.out = torch.nn.Linear(width, 2)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             h = self.inp(x)
             for _ in range(depth):
                 h = torch.tanh(self.hidden(h))

@@ -16,7 +16,7 @@ from platform_site import api as platform_api
 from serving_agent.protocol import PRIORITY_CLASSES
 
 
-class _AsSent(serializers.Field):
+class _AsSent(serializers.Field[Any, Any, Any, Any]):
     """A value kept as the caller sent it: ``pipeline.schedule`` reads it, as it reads OIP's
     parameters, so both front doors accept and refuse the same values with the same words (a
     DRF ``FloatField`` would take ``"100"``, which OIP refuses). ``null`` is absent, as on
@@ -50,7 +50,7 @@ class _Timeout(_AsSent):
     pass
 
 
-class PredictParameters(serializers.Serializer):
+class PredictParameters(serializers.Serializer[Any]):
     """How the request is scheduled: the same ``parameters`` as OIP's infer request."""
 
     priority = _Priority(
@@ -76,7 +76,7 @@ class PredictParameters(serializers.Serializer):
         return super().to_internal_value(data)
 
 
-class PredictRequest(serializers.Serializer):
+class PredictRequest(serializers.Serializer[Any]):
     instances = serializers.ListField(
         required=False,
         help_text="Rows: objects of feature name → value, or lists of values in signature order.",
@@ -88,7 +88,7 @@ class PredictRequest(serializers.Serializer):
     parameters = PredictParameters(required=False)
 
 
-class PredictResponse(serializers.Serializer):
+class PredictResponse(serializers.Serializer[Any]):
     model = serializers.CharField()
     version = serializers.IntegerField()
     predictions = serializers.ListField(help_text="The first output, one entry per row.")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,10 @@ class Backend:
     name: str
     env: dict[str, str]
     var_dir: Path
-    cleanup: list = field(default_factory=list)
+    cleanup: list[Any] = field(default_factory=list)
     # Rows the backend's database was copied with (its template's seed): what create_tenant and
     # create_node hand out, once each, instead of running manage.py (Seed).
-    seeded: dict[tuple, str] = field(default_factory=dict)
+    seeded: dict[tuple[Any, ...], str] = field(default_factory=dict)
 
     def manage(self, *args: str, timeout: float = 120) -> str:
         done = subprocess.run(
@@ -65,7 +66,7 @@ class Backend:
     def shell(self, code: str) -> str:
         return self.manage("shell", "-v", "0", "-c", code)
 
-    def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         """Rows of one read from the backend's database, straight from this process: a
         ``manage.py shell`` costs seconds of start-up, too slow (and too busy) for polling."""
         url = self.env.get("DATABASE_URL")
@@ -135,7 +136,7 @@ AGENT_SEED: Seed = (("node", "n"),)
 class _Template:
     ref: str  # the SQLite file, or the PostgreSQL database's name
     var_dir: Path  # where its secret_key was made (copied to each backend)
-    seeded: dict[tuple, str]
+    seeded: dict[tuple[Any, ...], str]
 
 
 _templates: dict[tuple[str, Seed], _Template] = {}
@@ -146,7 +147,7 @@ def _tenant_args(slug: str, rps: float, burst: int) -> list[str]:
     return ["create_tenant", slug, *args, "--scopes", "predict,deploy", "--json", "--skip-checks"]
 
 
-def _seed_key(item: tuple[str, ...]) -> tuple:
+def _seed_key(item: tuple[str, ...]) -> tuple[Any, ...]:
     """The create_node / create_tenant call (with its defaults) that a seeded row stands for."""
     return ("node", item[1]) if item[0] == "node" else ("tenant", item[1], 1000.0, 2000)
 
@@ -163,7 +164,7 @@ print("SEEDED " + json.dumps(outputs))
 """
 
 
-def _seed(backend: Backend, seed: Seed) -> dict[tuple, str]:
+def _seed(backend: Backend, seed: Seed) -> dict[tuple[Any, ...], str]:
     """Run the seed's create_tenant/create_node in one manage.py process; what each made."""
     if not seed:
         return {}
@@ -373,7 +374,9 @@ def answers(base_url: str) -> bool:
         return False
 
 
-def wait_until(check, timeout: float, proc: Proc | None = None, interval: float = 0.1):
+def wait_until(
+    check: Callable[[], Any], timeout: float, proc: Proc | None = None, interval: float = 0.1
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = check()
