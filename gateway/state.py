@@ -117,6 +117,9 @@ class GatewayState:
         self.cold_start_hold_s = settings.SWITCHYARD_COLD_START_HOLD_S
         # version id -> (when this process last woke it, the call saying if it is deployed)
         self._woken: dict[int, tuple[float, asyncio.Future[bool]]] = {}
+        # Bumped whenever cached entries are dropped: a lookup that overlapped a drop does not
+        # cache its answer, which may predate the change (a key revoked while it was looked up).
+        self._drops = 0
 
     # Cached lookups ----------------------------------------------------------------------------
     async def identify(self, raw_key: str, used: bool = True) -> KeyIdentity | None:
@@ -125,8 +128,9 @@ class GatewayState:
         try:
             identity = self._keys[raw_key]
         except KeyError:
+            drops = self._drops
             identity = await lookup(identify_key, raw_key)
-            self._remember(self._keys, raw_key, identity)
+            self._remember(self._keys, raw_key, identity, drops)
         if identity is not None and used:
             self._key_use[identity.key_id] = timezone.now()
         return identity
@@ -137,11 +141,12 @@ class GatewayState:
         try:
             found = self._routes[key]
         except KeyError:
+            drops = self._drops
             try:
                 found = await lookup(resolve_route, *key)
             except RouteMissing as exc:
                 found = str(exc)
-            self._remember(self._routes, key, found)
+            self._remember(self._routes, key, found, drops)
         if isinstance(found, str):
             raise RouteMissing(found)
         return found
@@ -152,16 +157,18 @@ class GatewayState:
         try:
             return self._splits[key]
         except KeyError:
+            drops = self._drops
             found = await lookup(active_split, *key)
-            self._remember(self._splits, key, found)
+            self._remember(self._splits, key, found, drops)
             return found
 
     async def version_route(self, tenant_id: int, version_id: int) -> Route:
         try:
             return self._by_id[(tenant_id, version_id)]
         except KeyError:
+            drops = self._drops
             found = await lookup(resolve_version_id, tenant_id, version_id)
-            self._remember(self._by_id, (tenant_id, version_id), found)
+            self._remember(self._by_id, (tenant_id, version_id), found, drops)
             return found
 
     async def ready(self, version_id: int, progress: Progress | None = None) -> None:
@@ -203,20 +210,24 @@ class GatewayState:
         if entry is None or now - entry[0] >= WAKE_EVERY_S:
             call = asyncio.ensure_future(db_call(coldstart.wake)(version_id))
             entry = (now, call)
-            self._remember(self._woken, version_id, entry)
+            self._remember(self._woken, version_id, entry, self._drops)
         try:
             return await asyncio.shield(entry[1])
         except Exception:  # the database is down: answer as for a version nobody serves
             log.exception("could not wake the deployment of version %s", version_id)
             return False
 
-    @staticmethod
-    def _remember(cache: dict[_K, _V], key: _K, value: _V) -> None:
+    def _remember(self, cache: dict[_K, _V], key: _K, value: _V, drops: int) -> None:
+        """Cache ``value``, looked up when the drop count was ``drops``, unless entries were
+        dropped since: then the answer may predate the change that dropped them."""
+        if drops != self._drops:
+            return
         if len(cache) >= MAX_CACHED:
             cache.clear()
         cache[key] = value
 
     def clear_caches(self) -> None:
+        self._drops += 1
         self._keys.clear()
         self._routes.clear()
         self._splits.clear()
@@ -229,6 +240,7 @@ class GatewayState:
         if changes is None or any(c.kind == ChangeKind.ALL for c in changes):
             self.clear_caches()
             return True
+        self._drops += 1
         key_ids = {c.object_id for c in changes if c.kind == ChangeKind.KEY}
         tenants = {c.tenant_id for c in changes if c.kind == ChangeKind.TENANT}
         model_ids = {c.object_id for c in changes if c.kind == ChangeKind.MODEL}

@@ -5,13 +5,14 @@ poll of the refresh loop; a process that fell behind the kept rows drops everyth
 from __future__ import annotations
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from django.db import connection
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
 from fleet import changes
 from fleet.models import ConfigGeneration, Pool
+from gateway import state as gateway_state
 from gateway.routes import RouteMissing
 from gateway.state import GatewayState
 from registry.services import set_alias
@@ -157,3 +158,24 @@ def test_each_change_moves_the_generation_by_one_and_logs_its_scope(world, onnx_
     assert changes.changes_since(now)[1] == [
         changes.Change("key", world.b.pk, ApiKey.objects.get(tenant=world.b).pk)
     ]
+
+
+def test_a_key_revoked_while_it_is_looked_up_is_not_cached(state, world, monkeypatch):
+    """The race scoped invalidation opens: a lookup that read the key before its revocation
+    committed, and returns after the poll that dropped it, must not cache the old answer."""
+    del state._keys[world.key_a]
+    key = ApiKey.objects.get(tenant=world.a)
+    real_lookup = gateway_state.lookup
+
+    async def revoked_meanwhile(fn, *args):
+        found = await real_lookup(fn, *args)
+        # The revocation commits and this process's poll handles it while the query runs.
+        await sync_to_async(revoke_api_key)(key)
+        await state.refresh_once()
+        return found
+
+    monkeypatch.setattr(gateway_state, "lookup", revoked_meanwhile)
+    assert async_to_sync(state.identify)(world.key_a, used=False) is not None  # in flight
+    monkeypatch.setattr(gateway_state, "lookup", real_lookup)
+    assert world.key_a not in state._keys  # not cached: the next request looks again
+    assert async_to_sync(state.identify)(world.key_a) is None
