@@ -57,4 +57,9 @@ bench: install
 bench-stream: install
 	.venv/bin/python bench/stream_bench.py
 
-ci: lint migrations-check test
+# Each step's time is printed as it ends (scripts/test.sh prints each test pass's too).
+ci:
+	@t=$$(date +%s); $(MAKE) --no-print-directory install && echo "-- install: $$(( $$(date +%s) - t )) s"
+	@t=$$(date +%s); $(MAKE) --no-print-directory lint && echo "-- lint: $$(( $$(date +%s) - t )) s"
+	@t=$$(date +%s); $(MAKE) --no-print-directory migrations-check && echo "-- migrations-check: $$(( $$(date +%s) - t )) s"
+	@$(MAKE) --no-print-directory test
