@@ -14,9 +14,14 @@ $(PY):
 
 # torch first, pinned to the CPU wheel, so the project's `torch>=2.6` is already satisfied.
 # constraints.txt holds every version: two installs from it get the same packages.
-install: $(PY)
+# A stamp in .venv: a second `make install` (every target below runs it) costs nothing until
+# pyproject.toml or constraints.txt changes.
+install: .venv/.installed-$(EXTRAS)
+
+.venv/.installed-$(EXTRAS): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	touch $@
 
 # Regenerate constraints.txt after a change to pyproject.toml's dependencies: install without
 # the pins (what .venv holds is kept, a new package gets its newest version), then freeze .venv.
