@@ -14,6 +14,10 @@ PY=.venv/bin/python
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 WORKERS="${TEST_WORKERS:-2}"
+# This machine sets PYTHONDONTWRITEBYTECODE: every pytest worker would then rewrite the asserts
+# of every test module again (~10 s of each collection) and every process the e2e tests start
+# would compile the platform's modules again. __pycache__/ is ignored by git.
+unset PYTHONDONTWRITEBYTECODE
 embedded() { (unset DATABASE_URL REDIS_URL; SWITCHYARD_VAR_DIR="$(mktemp -d)" && export SWITCHYARD_VAR_DIR && "$@"); }
 # pytest exits 5 when a pass selects no test (e.g. `make test ARGS=tests/test_keys.py` has no
 # end-to-end test): that pass has nothing to say.
