@@ -79,6 +79,9 @@ user = get_user_model().objects.create_user("abe", password="pw-abe-12345")
 Membership.objects.create(tenant=Tenant.objects.get(slug="alpha"), user=user, role="approver")
 """
 
+# The rows start_platform needs (make_backend's seed): its node, tenant alpha and approver abe.
+BREAKER_SEED = (("node", "n"), ("tenant", "alpha"), ("shell", APPROVER))
+
 
 def start_platform(backend: Backend) -> tuple[str, str, list[Proc]]:
     """uvicorn and one agent; tenant ``alpha`` with an API key and an approver, ``abe``."""

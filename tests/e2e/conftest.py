@@ -111,10 +111,13 @@ def stack(request, tmp_path_factory):
 
 
 @contextmanager
-def platform_with_agent(backend_name: str, tmp, env: dict | None = None, celery: bool = False):
+def platform_with_agent(
+    backend_name: str, tmp, env: dict | None = None, celery: bool = False, seed: Seed = NO_SEED
+):
     """A backend, a uvicorn server and one agent (and Celery worker and beat if asked);
-    yields (backend, url, processes) and stops everything afterwards."""
-    backend = make_backend(backend_name, tmp, AGENT_SEED)
+    yields (backend, url, processes) and stops everything afterwards. ``seed``: the rows the
+    test needs besides the agent's node (harness.Seed), made with the template."""
+    backend = make_backend(backend_name, tmp, AGENT_SEED + seed)
     backend.env.update(env or {})
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -33,6 +33,8 @@ m = Model.objects.get(name="clf")
 m.log_sample_rate = 1.0
 m.save()  # save(), not update(): the change signal drops the gateway's cached route
 """
+# The rows run_stall_drill needs on the backend it is given (make_backend's seed).
+STALL_SEED = (("node", "n"), ("tenant", "alpha", 100_000, 100_000))
 
 
 @dataclass

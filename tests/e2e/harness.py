@@ -64,6 +64,9 @@ class Backend:
         return done.stdout
 
     def shell(self, code: str) -> str:
+        seeded = self.seeded.pop(("shell", code), None)
+        if seeded is not None:
+            return seeded
         return self.manage("shell", "-v", "0", "-c", code)
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -123,9 +126,16 @@ def _base_env(var_dir: Path) -> dict[str, str]:
 
 # A migrate takes seconds and dozens of backends are made per run: each kind of backend is
 # migrated once per test session, and every backend starts from a copy of that database. The
-# standard fixtures' first rows (a node, two tenants) are made once too, in a template of their
-# own per seed (STYLE.md 22): three manage.py processes cost ~10 s per platform started.
-Seed = tuple[tuple[str, ...], ...]
+# rows a test needs before it starts (its node, tenants, rollout policy, users) are made once too,
+# in a template of their own per seed and in one manage.py process (STYLE.md 22): each manage.py
+# costs ~2 s of start-up, and a platform used to take three to five of them before its first
+# request. A seed item stands for the harness call that would otherwise make its rows:
+#   ("node", name)                             create_node(backend, name)
+#   ("tenant", slug) or ("tenant", slug, rps, burst)   create_tenant(backend, slug, rps, burst)
+#   ("weight", slug, percent)                  allow_weight(backend, slug, percent)
+#   ("shell", code)                            backend.shell(code)
+# and that call then answers what the seed made (once) instead of running manage.py.
+Seed = tuple[tuple[Any, ...], ...]
 NO_SEED: Seed = ()
 # The `stack` fixture's node and tenants, and platform_with_agent's node.
 STACK_SEED: Seed = (("node", "node-1"), ("tenant", "alpha"), ("tenant", "beta"))
@@ -147,40 +157,65 @@ def _tenant_args(slug: str, rps: float, burst: int) -> list[str]:
     return ["create_tenant", slug, *args, "--scopes", "predict,deploy", "--json", "--skip-checks"]
 
 
-def _seed_key(item: tuple[str, ...]) -> tuple[Any, ...]:
-    """The create_node / create_tenant call (with its defaults) that a seeded row stands for."""
-    return ("node", item[1]) if item[0] == "node" else ("tenant", item[1], 1000.0, 2000)
+def _weight_code(slug: str, percent: float) -> str:
+    return (
+        "from rollouts.models import RolloutPolicy; from tenants.models import Tenant; "
+        f"RolloutPolicy.objects.update_or_create(tenant=Tenant.objects.get(slug={slug!r}), "
+        f"model=None, defaults={{'max_weight_without_approval': {percent}}})"
+    )
 
 
+def _seed_key(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The harness call (with its defaults) that a seeded item stands for."""
+    kind = item[0]
+    if kind == "tenant":
+        rps, burst = item[2:] if len(item) == 4 else (1000, 2000)
+        return ("tenant", item[1], float(rps), int(burst))
+    if kind == "weight":
+        return ("weight", item[1], float(item[2]))
+    if kind in ("node", "shell"):
+        return (kind, item[1])
+    raise ValueError(f"unknown seed item {item!r}")
+
+
+def _seed_command(item: tuple[Any, ...]) -> list[str]:
+    """The management command that makes a seed item's rows (as its harness call would)."""
+    key = _seed_key(item)
+    if key[0] == "tenant":
+        return _tenant_args(key[1], key[2], key[3])
+    if key[0] == "node":
+        return ["create_node", key[1], "--quiet", "--skip-checks"]
+    code = key[1] if key[0] == "shell" else _weight_code(key[1], key[2])
+    return ["shell", "-v", "0", "-c", code]
+
+
+# shell -c prints to the process's stdout, not to call_command's: it is redirected per command.
 _SEED_CODE = """
-import io, json, sys
+import contextlib, io, json, sys
 from django.core.management import call_command
 outputs = []
 for args in json.loads(sys.argv[-1]):
     out = io.StringIO()
-    call_command(*args, stdout=out)
+    with contextlib.redirect_stdout(out):
+        call_command(*args, stdout=out)
     outputs.append(out.getvalue())
 print("SEEDED " + json.dumps(outputs))
 """
 
 
 def _seed(backend: Backend, seed: Seed) -> dict[tuple[Any, ...], str]:
-    """Run the seed's create_tenant/create_node in one manage.py process; what each made."""
+    """Make the seed's rows in one manage.py process; what each harness call would answer."""
     if not seed:
         return {}
-    commands = [
-        _tenant_args(item[1], 1000, 2000)
-        if item[0] == "tenant"
-        else ["create_node", item[1], "--quiet", "--skip-checks"]
-        for item in seed
-    ]
+    commands = [_seed_command(item) for item in seed]
     code = _SEED_CODE.replace("sys.argv[-1]", repr(json.dumps(commands)))
     out = backend.shell(code)
     outputs = json.loads(out[out.index("SEEDED ") + len("SEEDED ") :])
-    return {
-        _seed_key(item): json.loads(text)["api_key"] if item[0] == "tenant" else text.strip()
-        for item, text in zip(seed, outputs, strict=True)
-    }
+    answers = {}
+    for item, text in zip(seed, outputs, strict=True):
+        key = _seed_key(item)
+        answers[key] = json.loads(text)["api_key"] if key[0] == "tenant" else text
+    return answers
 
 
 def _copy_sqlite(source: str | Path, target: Path) -> None:
@@ -391,7 +426,7 @@ def wait_until(
 
 def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2000) -> str:
     """A tenant and an engineer's key that infers and deploys (the tests upload with it)."""
-    seeded = backend.seeded.pop(("tenant", slug, float(rps), burst), None)
+    seeded = backend.seeded.pop(_seed_key(("tenant", slug, rps, burst)), None)
     if seeded is not None:
         return seeded
     return json.loads(backend.manage(*_tenant_args(slug, rps, burst)))["api_key"]
@@ -399,10 +434,10 @@ def create_tenant(backend: Backend, slug: str, rps: float = 1000, burst: int = 2
 
 def create_node(backend: Backend, name: str) -> str:
     seeded = backend.seeded.pop(("node", name), None)
-    if seeded is not None:
-        return seeded
-    # --skip-checks: the system checks import every URL configuration and view (~0.5 s).
-    return backend.manage("create_node", name, "--quiet", "--skip-checks").strip()
+    if seeded is None:
+        # --skip-checks: the system checks import every URL configuration and view (~0.5 s).
+        seeded = backend.manage(*_seed_command(("node", name)))
+    return seeded.strip()
 
 
 def dispatched(url: str) -> dict[str, float]:
@@ -417,8 +452,5 @@ def dispatched(url: str) -> dict[str, float]:
 def allow_weight(backend: Backend, slug: str, percent: float) -> None:
     """Let the tenant's canaries carry ``percent`` without approval (the rollout policy's
     default is 10 %): for tests of routing and guardrails, not of approvals."""
-    backend.shell(
-        "from rollouts.models import RolloutPolicy; from tenants.models import Tenant; "
-        f"RolloutPolicy.objects.update_or_create(tenant=Tenant.objects.get(slug={slug!r}), "
-        f"model=None, defaults={{'max_weight_without_approval': {percent}}})"
-    )
+    if backend.seeded.pop(_seed_key(("weight", slug, percent)), None) is None:
+        backend.shell(_weight_code(slug, percent))

@@ -41,6 +41,8 @@ KILLED = ("agent", "worker", "beat")  # in this order: the worker's check needs 
 CONCURRENCY = 4  # load threads, so at most this many requests are in flight at a kill
 PAUSE_S = 0.02  # between one thread's requests: a steady load that leaves CPU for restarts
 STEADY_S = 3.0  # load watched after each recovery (and before the first kill)
+# The rows run_drill needs (make_backend's seed): its tenant and the two agents' nodes.
+DRILL_SEED = (("tenant", "drill"), ("node", "supervised"), ("node", "spare"))
 INFER_BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0.5] * 4}]}
 
 

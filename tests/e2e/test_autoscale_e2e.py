@@ -77,7 +77,7 @@ def infer(client: httpx.Client) -> httpx.Response:
 def test_load_scales_out_idleness_scales_to_zero_and_a_cold_request_is_served(
     backend_name, tmp_path
 ):
-    backend = make_backend(backend_name, tmp_path)
+    backend = make_backend(backend_name, tmp_path, (("tenant", "alpha"),))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     agents_dir = tmp_path / "agents"

@@ -93,7 +93,9 @@ def browser():
 
 @pytest.fixture(params=BACKENDS)
 def platform(request, tmp_path):
-    with platform_with_agent(request.param, tmp_path) as (backend, url, procs):
+    # Tenant acme with its users, and the slider's bound: 30 % applies, 80 % asks.
+    seed = (("tenant", "acme"), ("shell", CREATE_USERS.format(users=USERS)), ("weight", "acme", 50))
+    with platform_with_agent(request.param, tmp_path, seed=seed) as (backend, url, procs):
         key = create_tenant(backend, "acme")
         backend.shell(CREATE_USERS.format(users=USERS))
         allow_weight(backend, "acme", 50)  # the slider's bound: 30 % applies, 80 % asks

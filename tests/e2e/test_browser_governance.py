@@ -43,12 +43,13 @@ Feedback.objects.create(tenant_id=v.model.tenant_id, request_id="one", label=0.5
 @pytest.fixture
 def server(tmp_path):
     """The embedded backend and one uvicorn server: nothing here needs an agent."""
-    backend = make_backend("embedded", tmp_path)
+    users = CREATE_USERS.format(users=USERS)
+    backend = make_backend("embedded", tmp_path, (("tenant", "acme"), ("shell", users)))
     port = free_port()
     proc = start_server(backend, "uvicorn", port)
     try:
         key = create_tenant(backend, "acme")
-        backend.shell(CREATE_USERS.format(users=USERS))
+        backend.shell(users)
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30

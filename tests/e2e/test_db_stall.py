@@ -35,7 +35,9 @@ def p99(values: list[float]) -> float:
 
 
 def test_a_locked_tenant_table_costs_only_the_requests_that_need_the_database(tmp_path):
-    backend = make_backend("services", tmp_path)
+    backend = make_backend(
+        "services", tmp_path, (("node", "n"), ("tenant", "alpha"), ("shell", MINT_KEY))
+    )
     backend.env["SWITCHYARD_DB_LOCK_TIMEOUT_MS"] = str(LOCK_TIMEOUT_MS)
     backend.env["SWITCHYARD_AGENT_HEARTBEAT_S"] = "1"  # the agent's writes keep coming
     port = free_port()

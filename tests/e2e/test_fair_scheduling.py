@@ -30,13 +30,28 @@ FLOOD = 24  # concurrent requests of the flooding key, more than its share of th
 CALM_P99_BOUND_S = 1.0
 
 
-def second_key(backend: Backend, slug: str, priority: int = 1) -> str:
-    """Another API key of the tenant (the first came with create_tenant)."""
-    return backend.shell(
+def second_key_code(slug: str, priority: int = 1) -> str:
+    """What prints another API key of the tenant (the first came with create_tenant)."""
+    return (
         "from tenants.keys import create_api_key; from tenants.models import Tenant;"
         f"print(create_api_key(Tenant.objects.get(slug={slug!r}), 'batch-job',"
         f" priority={priority})[1])"
-    ).strip()
+    )
+
+
+def second_key(backend: Backend, slug: str, priority: int = 1) -> str:
+    return backend.shell(second_key_code(slug, priority)).strip()
+
+
+# Tenants whose request rate is no limit here: the queues are what is tested.
+def busy_tenant(slug: str) -> tuple[str, str, int, int]:
+    return ("tenant", slug, 10_000, 20_000)
+
+
+# The app's key may ask for critical; the batch job's key (the second) is batch at best.
+APP_KEY_CRITICAL = (
+    "from tenants.models import ApiKey; ApiKey.objects.filter(tenant__slug='t').update(priority=0)"
+)
 
 
 def agent_counters(backend: Backend) -> dict[str, int]:
@@ -108,7 +123,8 @@ def p(latencies: list[tuple[int, float]], q: float) -> float:
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_a_flooding_key_gets_its_share_and_the_calm_one_its_turns(backend_name, tmp_path):
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
-    with platform_with_agent(backend_name, tmp_path, env) as (backend, url, procs):
+    seed = (busy_tenant("t"), ("shell", second_key_code("t")))
+    with platform_with_agent(backend_name, tmp_path, env, seed=seed) as (backend, url, procs):
         app_key = create_tenant(backend, "t", rps=10_000, burst=20_000)
         job_key = second_key(backend, "t")
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {app_key}"}) as c:
@@ -135,7 +151,8 @@ def test_a_flooding_key_gets_its_share_and_the_calm_one_its_turns(backend_name, 
 def test_a_flooding_tenant_on_a_shared_agent_leaves_the_other_its_latency(backend_name, tmp_path):
     # One shared node serves both tenants' versions: the flood fills its own version's queue
     # (503s for it alone) while the other tenant's version keeps its turns on the same agent.
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+    seed = (busy_tenant("a"), busy_tenant("b"))
+    with platform_with_agent(backend_name, tmp_path, seed=seed) as (backend, url, procs):
         keys = {slug: create_tenant(backend, slug, rps=10_000, burst=20_000) for slug in "ab"}
         for key in keys.values():
             with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
@@ -157,15 +174,11 @@ def test_a_flooding_tenant_on_a_shared_agent_leaves_the_other_its_latency(backen
 @pytest.mark.parametrize("backend_name", ["embedded"])
 def test_critical_beats_batch_and_short_deadlines_drop_stale_work(backend_name, tmp_path):
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
-    with platform_with_agent(backend_name, tmp_path, env) as (backend, url, procs):
-        slug = "t"
-        app_key = create_tenant(backend, slug, rps=10_000, burst=20_000)
-        # The app's key may ask for critical; the batch job's key is batch at best.
-        backend.shell(
-            "from tenants.models import ApiKey;"
-            f"ApiKey.objects.filter(tenant__slug={slug!r}).update(priority=0)"
-        )
-        job_key = second_key(backend, slug, priority=2)
+    seed = (busy_tenant("t"), ("shell", APP_KEY_CRITICAL), ("shell", second_key_code("t", 2)))
+    with platform_with_agent(backend_name, tmp_path, env, seed=seed) as (backend, url, procs):
+        app_key = create_tenant(backend, "t", rps=10_000, burst=20_000)
+        backend.shell(APP_KEY_CRITICAL)
+        job_key = second_key(backend, "t", priority=2)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {app_key}"}) as c:
             upload_and_promote(c, "slow", slow_onnx(depth=96), max_batch_size="1", max_queue="16")
             wait_ready(c, "slow", timeout=60, proc=procs[1])

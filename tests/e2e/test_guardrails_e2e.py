@@ -16,13 +16,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 # 48 rows: the slow candidate takes ~250 ms on them, the baseline ~1 ms, so the p99 ratio is
 # far past the threshold even if a baseline request meets a GC pause.
+# Tenant t, whose canaries may carry 100 % without approval (this test is about the guardrails).
+SEED = (("tenant", "t"), ("weight", "t", 100))
 BODY = {"inputs": [{"name": "x", "shape": [48, 4], "datatype": "FP32", "data": [0.1] * 192}]}
 
 
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_slow_candidate_is_rolled_back_by_the_beat_task(backend_name, tmp_path):
     env = {"SWITCHYARD_GUARDRAIL_INTERVAL_S": "1"}
-    with platform_with_agent(backend_name, tmp_path, env, celery=True) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, env, celery=True, seed=SEED) as started:
+        backend, url, procs = started
         key = create_tenant(backend, "t")
         allow_weight(backend, "t", 100)  # this test is about the guardrails, not approvals
         headers = {"Authorization": f"Bearer {key}"}
@@ -73,7 +76,8 @@ print(approve(req, user_actor(user, Role.APPROVER), "numbers look fine").state)
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_healthy_candidate_is_promoted_by_the_beat_task_once_approved(backend_name, tmp_path):
     env = {"SWITCHYARD_GUARDRAIL_INTERVAL_S": "1"}
-    with platform_with_agent(backend_name, tmp_path, env, celery=True) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, env, celery=True, seed=SEED) as started:
+        backend, url, procs = started
         key = create_tenant(backend, "t")
         allow_weight(backend, "t", 100)  # this test is about the guardrails, not approvals
         headers = {"Authorization": f"Bearer {key}"}

@@ -49,21 +49,25 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     return out
 
 
+# Tenant t, with room for 16 streams at once (the default quota is 8).
+SEED = (
+    ("tenant", "t"),
+    (
+        "shell",
+        "from tenants.models import Quota, Tenant; Quota.objects.update_or_create("
+        "tenant=Tenant.objects.get(slug='t'), defaults={'max_concurrent_streams': 32})",
+    ),
+)
+
+
 # One backend: nothing on the hf path differs between them (the streaming e2e runs the same
 # gateway code on both), and the module stays under a minute.
 @pytest.fixture(scope="module", params=["embedded"])
 def platform(request, tmp_path_factory, families):
     tmp = tmp_path_factory.mktemp(f"hf-{request.param}")
-    with platform_with_agent(request.param, tmp, {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}) as (
-        backend,
-        url,
-        procs,
-    ):
+    env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
+    with platform_with_agent(request.param, tmp, env, seed=SEED) as (backend, url, procs):
         key = create_tenant(backend, "t")
-        backend.shell(  # 16 streams at once (the default quota is 8)
-            "from tenants.models import Quota, Tenant; Quota.objects.update_or_create("
-            "tenant=Tenant.objects.get(slug='t'), defaults={'max_concurrent_streams': 32})"
-        )
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         ) as api:

@@ -43,7 +43,11 @@ def settle(backend: Backend, expected: int) -> int:
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_retries_with_one_key_act_once(backend_name, tmp_path):
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
-    with platform_with_agent(backend_name, tmp_path, env) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, env, seed=(("tenant", "t"),)) as (
+        backend,
+        url,
+        procs,
+    ):
         key = create_tenant(backend, "t")
         auth = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=url, headers=auth, timeout=30) as client:

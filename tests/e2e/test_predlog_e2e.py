@@ -37,7 +37,10 @@ ENV = {
 def platform(tmp_path_factory):
     """The embedded backend (SQLite) with model ``clf`` of tenant alpha logging every request;
     yields (backend, url, alpha's key, beta's key)."""
-    with platform_with_agent("embedded", tmp_path_factory.mktemp("predlog"), ENV) as started:
+    tmp = tmp_path_factory.mktemp("predlog")
+    with platform_with_agent(
+        "embedded", tmp, ENV, seed=(("tenant", "alpha"), ("tenant", "beta"))
+    ) as started:
         backend, url, procs = started
         key_a, key_b = create_tenant(backend, "alpha"), create_tenant(backend, "beta")
         with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:

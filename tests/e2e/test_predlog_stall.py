@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from .conftest import make_backend
-from .db_stall_drill import run_stall_drill
+from .db_stall_drill import STALL_SEED, run_stall_drill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 def test_a_5_s_database_stall_loses_no_logged_prediction(tmp_path):
-    backend = make_backend("services", tmp_path)
+    backend = make_backend("services", tmp_path, STALL_SEED)
     try:
         result = run_stall_drill(backend, stall_s=5.0, before_s=1.5, after_s=1.5)
     finally:

@@ -21,6 +21,8 @@ from .harness import allow_weight, create_tenant, wait_until
 pytestmark = pytest.mark.e2e
 
 ROWS = 8
+# Tenant q, whose canaries may carry 50 % without an approval (not the subject here).
+SEED = (("tenant", "q"), ("weight", "q", 50))
 
 
 def _int8(artifact: bytes) -> bytes:
@@ -52,7 +54,7 @@ def test_a_quantised_variant_is_served_and_canaried(backend_name, tmp_path):
         ]
     }
 
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, seed=SEED) as (backend, url, procs):
         key = create_tenant(backend, "q")
         allow_weight(backend, "q", 50)  # a canary of 50 % without an approval: not the subject
         headers = {"Authorization": f"Bearer {key}"}

@@ -47,7 +47,8 @@ def serve_v2_after_v1(api: httpx.Client, backend, slug: str, name: str, proc) ->
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_a_rollback_takes_effect_within_a_second(backend_name, tmp_path):
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, seed=(("tenant", "t"),)) as started:
+        backend, url, procs = started
         key = create_tenant(backend, "t")
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
@@ -117,9 +118,11 @@ def browser():
 def test_the_rollback_button_on_the_alias_page(browser, backend_name, tmp_path):
     from playwright.sync_api import expect
 
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+    users = CREATE_USERS.format(users={"erin": "engineer", "abe": "approver"})
+    seed = (("tenant", "acme"), ("shell", users))
+    with platform_with_agent(backend_name, tmp_path, seed=seed) as (backend, url, procs):
         key = create_tenant(backend, "acme")
-        backend.shell(CREATE_USERS.format(users={"erin": "engineer", "abe": "approver"}))
+        backend.shell(users)
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
             serve_v2_after_v1(api, backend, "acme", "fraud", procs[1])

@@ -19,7 +19,11 @@ BODY = {"inputs": [{"name": "x", "shape": [16, 4], "datatype": "FP32", "data": [
 
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_shadow_copies_do_not_delay_or_spend_quota_and_are_recorded(backend_name, tmp_path):
-    with platform_with_agent(backend_name, tmp_path) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, seed=(("tenant", "t", 0.01, 16),)) as (
+        backend,
+        url,
+        procs,
+    ):
         # 12 requests of burst: the 12 shadow copies would exhaust it if they counted.
         key = create_tenant(backend, "t", rps=0.01, burst=16)
         headers = {"Authorization": f"Bearer {key}"}

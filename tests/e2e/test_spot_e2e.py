@@ -69,6 +69,10 @@ def ready_replicas(backend: Backend) -> int:
     return sum(1 for (ready,) in rows if (json.loads(ready) if isinstance(ready, str) else ready))
 
 
+# Tenant t and each pool's node.
+SEED = (("tenant", "t"), ("node", "node-spot"), ("node", "node-ondemand"))
+
+
 @pytest.mark.parametrize("backend_name", ["embedded", "services"])
 def test_batch_prefers_spot_and_survives_its_pre_emption(backend_name, tmp_path):
     backend = make_backend(backend_name, tmp_path)

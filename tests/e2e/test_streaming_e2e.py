@@ -38,7 +38,11 @@ def textgen_artifact(**config) -> bytes:
 def platform(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"streaming-{request.param}")
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5"}
-    with platform_with_agent(request.param, tmp, env) as (backend, url, procs):
+    with platform_with_agent(request.param, tmp, env, seed=(("tenant", "t"),)) as (
+        backend,
+        url,
+        procs,
+    ):
         key = create_tenant(backend, "t")
         # Generous: uploading a version on a slow machine (the server validates the artifact)
         # took longer than httpx's default 5 s.

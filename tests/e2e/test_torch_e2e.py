@@ -35,7 +35,7 @@ print(json.dumps(session.version_states))
 @pytest.fixture(scope="module", params=BACKENDS[:1])
 def platform(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"torch-{request.param}")
-    with platform_with_agent(request.param, tmp) as (backend, url, procs):
+    with platform_with_agent(request.param, tmp, seed=(("tenant", "t"),)) as (backend, url, procs):
         key = create_tenant(backend, "t")
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60

@@ -64,7 +64,11 @@ def test_usage_equals_what_was_served_and_a_hard_budget_stops_and_is_overridden(
     backend_name, tmp_path
 ):
     env = {"SWITCHYARD_AGENT_HEARTBEAT_S": "0.5", "SWITCHYARD_BUDGET_REFRESH_S": "0.5"}
-    with platform_with_agent(backend_name, tmp_path, env) as (backend, url, procs):
+    with platform_with_agent(backend_name, tmp_path, env, seed=(("tenant", "metered"),)) as (
+        backend,
+        url,
+        procs,
+    ):
         key = create_tenant(backend, "metered")
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=url, headers=headers, timeout=60) as api:
