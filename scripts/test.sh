@@ -35,10 +35,12 @@ pytest() {
 # replace these.
 E2E=(tests/e2e $(grep -rlE --include='test_*.py' 'mark\.e2e\b' tests | grep -v '^tests/e2e/' | sort))
 BACKENDS=($(grep -rlE --include='test_*.py' 'mark\.backends\b' tests | grep -v '^tests/e2e/' | sort))
+# The serial pass reads only the files that mark tests serial (all in tests/e2e).
+SERIAL=($(grep -rlE --include='test_*.py' 'mark\.serial\b' tests/e2e | sort))
 UNIT=(tests --ignore=tests/e2e)
 has_paths=false
 for arg in "$@"; do case "$arg" in tests*|./tests*) has_paths=true ;; esac; done
-if $has_paths; then E2E=(); BACKENDS=(); UNIT=(); fi
+if $has_paths; then E2E=(); SERIAL=(); BACKENDS=(); UNIT=(); fi
 
 # Each pass's time, and the total, printed as they end and again at the end.
 started=$SECONDS
@@ -68,7 +70,7 @@ if $PY scripts/services_up.py; then
   stage "end-to-end tests on two workers" \
     pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "${E2E[@]}" "$@"
   stage "end-to-end tests marked serial, alone" \
-    pytest -m "e2e and serial" --durations=12 "${E2E[@]}" "$@"
+    pytest -m "e2e and serial" --durations=12 "${SERIAL[@]}" "$@"
   stage "where the backend matters, again on the embedded default (SQLite, in-process layers)" \
     embedded pytest -m "backends and not e2e" -n "$WORKERS" "${BACKENDS[@]}" "$@"
 else
@@ -77,5 +79,5 @@ else
   stage "end-to-end tests on two workers: embedded" \
     embedded pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "${E2E[@]}" "$@"
   stage "end-to-end tests marked serial, alone: embedded" \
-    embedded pytest -m "e2e and serial" "${E2E[@]}" "$@"
+    embedded pytest -m "e2e and serial" "${SERIAL[@]}" "$@"
 fi

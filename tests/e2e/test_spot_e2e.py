@@ -29,7 +29,8 @@ from .harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+# Not serial: it asserts outcomes (which replica answered, no request lost), not timings.
+pytestmark = pytest.mark.e2e
 
 X = np.ones((1, 4), np.float32)
 STREAM = 300  # batch requests in the stream the spot replica dies in
