@@ -59,7 +59,32 @@ _EXPORTS = {
     "Stats": "._serving",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+# A literal list, so that linters see what the TYPE_CHECKING imports above are for.
+__all__ = [
+    "Agent",
+    "AgentError",
+    "ArtifactCache",
+    "AuthRejected",
+    "BadInput",
+    "Batcher",
+    "Cancelled",
+    "ChecksumMismatch",
+    "Expired",
+    "FunctionRuntime",
+    "NotLoaded",
+    "OnnxRuntime",
+    "OverShare",
+    "Overloaded",
+    "Runtime",
+    "SchedCounts",
+    "Stats",
+    "__version__",
+    "backoff_delay",
+    "load_runtime",
+    "node_facts",
+    "warm_up",
+    "ws_url",
+]
 
 
 def __getattr__(name: str) -> object:
