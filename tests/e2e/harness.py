@@ -171,8 +171,8 @@ def _seed_key(item: tuple[Any, ...]) -> tuple[Any, ...]:
     if kind == "tenant":
         rps, burst = item[2:] if len(item) == 4 else (1000, 2000)
         return ("tenant", item[1], float(rps), int(burst))
-    if kind == "weight":
-        return ("weight", item[1], float(item[2]))
+    if kind == "weight":  # allow_weight is shell code: seeded as that code
+        return ("shell", _weight_code(item[1], float(item[2])))
     if kind in ("node", "shell"):
         return (kind, item[1])
     raise ValueError(f"unknown seed item {item!r}")
@@ -185,8 +185,7 @@ def _seed_command(item: tuple[Any, ...]) -> list[str]:
         return _tenant_args(key[1], key[2], key[3])
     if key[0] == "node":
         return ["create_node", key[1], "--quiet", "--skip-checks"]
-    code = key[1] if key[0] == "shell" else _weight_code(key[1], key[2])
-    return ["shell", "-v", "0", "-c", code]
+    return ["shell", "-v", "0", "-c", key[1]]
 
 
 # shell -c prints to the process's stdout, not to call_command's: it is redirected per command.
@@ -452,5 +451,4 @@ def dispatched(url: str) -> dict[str, float]:
 def allow_weight(backend: Backend, slug: str, percent: float) -> None:
     """Let the tenant's canaries carry ``percent`` without approval (the rollout policy's
     default is 10 %): for tests of routing and guardrails, not of approvals."""
-    if backend.seeded.pop(_seed_key(("weight", slug, percent)), None) is None:
-        backend.shell(_weight_code(slug, percent))
+    backend.shell(_weight_code(slug, float(percent)))
