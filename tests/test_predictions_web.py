@@ -43,7 +43,9 @@ def test_the_page_lists_labelled_predictions_with_filters_paging_and_a_quality_c
     model = make_model(world.a, "clf")
     v1 = make_version(model, onnx_bytes)
     v2 = make_version(model, small_onnx(seed=3), alias=None)
-    now = timezone.now()
+    # Every log in one hourly bucket of the chart (the middle of the last hour): from timezone.now()
+    # the logs spanned two buckets whenever the test ran in the first ~2 minutes of an hour.
+    now = timezone.now().replace(minute=30, second=0, microsecond=0) - timedelta(hours=1)
     for i in range(PAGE_SIZE + 5):
         make_log(v1, f"r{i}", [0.8], arm="baseline", at=now - timedelta(seconds=100 + i))
     make_log(v2, "newest", [0.3, 0.6], arm="candidate", at=now - timedelta(seconds=1))
