@@ -13,6 +13,7 @@ from tenants.audit import SYSTEM, Actor, user_actor
 
 from .models import Model, ModelVersion
 from .services import (
+    LADDER_FIELDS,
     SERVING_FIELDS,
     check_personal_fields,
     create_version,
@@ -26,6 +27,9 @@ class ModelAdmin(AuditedAdmin[Model]):
     list_display = ["name", "tenant", "task", "created_at"]
     list_filter = ["tenant", "task"]
     search_fields = ["name"]
+    # The fallback ladder decides who answers when the primary fails: it changes through the
+    # traffic gate (PATCH /api/v1/models/{name}), never in a form that skips it.
+    readonly_fields = LADDER_FIELDS
 
 
 class VersionUploadForm(forms.ModelForm[ModelVersion]):

@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
-from platform_site.errors import NotFound, TooLarge, Unavailable
+from platform_site.errors import Forbidden, NotFound, TooLarge, Unavailable
 from serving_agent.pickles import pickle_kind
 from tenants.audit import SYSTEM, Actor, audit
 
@@ -277,12 +277,20 @@ def check_personal_fields(version: ModelVersion, fields: object) -> dict[str, st
     return fields
 
 
-def update_model_settings(model: Model, changes: dict[str, Any], actor: Actor = SYSTEM) -> Model:
+def update_model_settings(
+    model: Model, changes: dict[str, Any], actor: Actor = SYSTEM, *, judged: bool = False
+) -> Model:
     """Change a model's description, monitoring settings or fallback ladder (its name and task
-    stay), audited. ``fallback_version`` is a version number of this model, or None."""
+    stay), audited. ``fallback_version`` is a version number of this model, or None.
+
+    The fallback ladder decides which version answers when the primary fails, so it changes
+    only through the traffic gate (``rollouts.gate.update_model_settings``, which passes
+    ``judged``): a caller that skips the gate is refused, not trusted."""
     refused = sorted(set(changes) - set(MONITORING_FIELDS) - set(LADDER_FIELDS))
     if refused:
         raise SignatureError(refused[0], "cannot change; a model's name and task are fixed")
+    if not judged and set(changes) & set(LADDER_FIELDS):
+        raise Forbidden("the fallback ladder changes only through the traffic gate (rollouts.gate)")
     changes = dict(changes)  # the caller's dict stays as it was
     before = {f: model_setting(model, f) for f in changes}
     if "fallback_version" in changes:

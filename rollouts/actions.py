@@ -11,11 +11,12 @@ from django.utils import timezone
 
 from monitoring.alerts import raise_alert
 from monitoring.models import AlertKind
-from platform_site.errors import Conflict, Forbidden
+from platform_site.errors import Conflict
 from registry.models import Model, ModelVersion
 from registry.services import set_alias
 from tenants.audit import Actor, audit
 
+from . import gate
 from . import policy as rollout_policy
 from .models import (
     OPEN_REQUEST_STATES,
@@ -26,6 +27,7 @@ from .models import (
     RequestState,
     RolloutPlan,
 )
+from .strategies import Arm
 
 GUARDRAIL_KEYS = {"max_error_rate_increase", "max_p99_ratio", "min_samples"}
 # Optional: the candidate's drift PSI past which it is rolled back; absent means the model's
@@ -82,10 +84,6 @@ def start_plan(
     policy = rollout_policy.policy_for(model)
     rollout_policy.check_required_guardrails(policy, guardrails)
     limit = rollout_policy.weight_limit(policy, alias, mode)
-    if mode == PlanMode.CANARY and weight > limit:
-        raise ValidationError(
-            {"weight": f"above the rollout policy's {limit:g} % without approval"}
-        )
     options["max_weight"] = min(options.get("max_weight", limit), limit)
     current = model.aliases.select_related("version").filter(name=alias).first()
     if current is None:
@@ -96,8 +94,12 @@ def start_plan(
         raise ValidationError({"candidate": "its input signature differs from the baseline's"})
     if mode == PlanMode.AB and not arms:
         raise ValidationError({"arms": "an A/B plan needs arms"})
-    if mode == PlanMode.AB:
-        check_arms_within(arms or [], current.version_id, limit)
+    routed = gate.start_arms(
+        mode, current.version_id, candidate.pk, weight, [Arm(n, v.pk, w) for n, v, w in arms or []]
+    )
+    verdict = gate.judge_arms(model, alias, routed, options["max_weight"])
+    if not verdict.allowed:
+        raise gate.AboveLimit(verdict, "starting this plan")
     rollout_policy.check_freeze(model, "starting a rollout")
     plan = RolloutPlan(
         model=model,
@@ -122,24 +124,16 @@ def start_plan(
     return plan
 
 
-def check_arms_within(
-    arms: list[tuple[str, ModelVersion, float]], baseline_id: int, limit: float
-) -> None:
-    """An A/B arm serving another version than the baseline's carries at most the policy's
-    weight without approval: a 90 % arm is a 90 % canary under another name."""
-    for name, version, share in arms:
-        if version.pk != baseline_id and share > limit:
-            raise Forbidden(
-                f"rollout policy: arm {name!r} (v{version.version}) at {share:g} % is above the "
-                f"{limit:g} % an arm other than the baseline's may carry without approval; "
-                "start within it, then ask for the weights (POST /api/v1/rollouts/{id}/arms)"
-            )
-
-
 def set_arm_weights(
-    plan: RolloutPlan, weights: dict[str, float], actor: Actor, reason: str = ""
+    plan: RolloutPlan,
+    weights: dict[str, float],
+    actor: Actor,
+    reason: str = "",
+    *,
+    approved: ApprovalRequest | None = None,
 ) -> RolloutPlan:
-    """Give an A/B plan's arms new weights (every arm named); takes effect within a second."""
+    """Give an A/B plan's arms new weights (every arm named); takes effect within a second.
+    Cleared by the traffic gate under the plan's lock, unless ``approved`` asked for it."""
     with transaction.atomic():
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if locked.mode != PlanMode.AB:
@@ -148,6 +142,11 @@ def set_arm_weights(
             raise Conflict(f"the plan is {locked.state}")
         arms = {a.name: a for a in locked.arms.select_for_update()}
         check_arm_weights(set(arms), weights)
+        if approved is None:
+            routed = [Arm(n, a.version_id, float(weights[n])) for n, a in arms.items()]
+            verdict = gate.judge_plan(locked, routed)
+            if not verdict.allowed:
+                raise gate.AboveLimit(verdict, "these arm weights")
         before = {**_state(locked), "arms": {n: a.weight for n, a in arms.items()}}
         for name, arm in arms.items():
             arm.weight = float(weights[name])
@@ -168,8 +167,16 @@ def check_arm_weights(names: set[str], weights: Any) -> None:
             raise ValidationError({"arms": f"arm {name!r}: a percent from 0 to 100"})
 
 
-def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "") -> RolloutPlan:
-    """Move a canary's candidate share; takes effect at the gateways within a second."""
+def set_weight(
+    plan: RolloutPlan,
+    weight: float,
+    actor: Actor,
+    reason: str = "",
+    *,
+    approved: ApprovalRequest | None = None,
+) -> RolloutPlan:
+    """Move a canary's candidate share; takes effect at the gateways within a second.
+    Cleared by the traffic gate under the plan's lock, unless ``approved`` asked for it."""
     if not 0 <= weight <= 100:
         raise ValidationError({"weight": "must be between 0 and 100"})
     with transaction.atomic():
@@ -179,6 +186,10 @@ def set_weight(plan: RolloutPlan, weight: float, actor: Actor, reason: str = "")
             raise ValidationError({"weight": "only canary plans have a single weight"})
         if not locked.is_active:
             raise Conflict(f"the plan is {locked.state}")
+        if approved is None:
+            verdict = gate.judge_plan(locked, gate.canary_arms(locked, weight))
+            if not verdict.allowed:
+                raise gate.AboveLimit(verdict, f"a {weight:g} % canary")
         before = _state(locked)
         locked.weight = weight
         locked.step_started_at = timezone.now()  # the new step bakes and is judged from here
@@ -223,6 +234,12 @@ def _end(plan: RolloutPlan, actor: Actor, reason: str, action: str) -> RolloutPl
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if not locked.is_active:
             raise Conflict(f"the plan is already {locked.state}")
+        # All traffic back to the baseline, the version the alias points at: the gate clears
+        # it (no unapproved version gains), so a kill never waits for anyone.
+        back = [Arm("baseline", locked.baseline_id, 100.0)]
+        verdict = gate.judge_plan(locked, back)
+        if not verdict.allowed:
+            raise gate.AboveLimit(verdict, "returning to the baseline")
         before = _state(locked)
         locked.state = PlanState.ROLLED_BACK
         locked.weight = 0.0

@@ -37,7 +37,7 @@ from registry.services import set_alias
 from tenants.audit import Actor, audit
 from tenants.models import Role
 
-from . import actions
+from . import actions, gate
 from .arms import metrics_diff, plan_arm_metrics
 from .models import (
     ACTIVE_STATES,
@@ -49,8 +49,9 @@ from .models import (
     RequestState,
     RolloutPlan,
 )
-from .policy import check_freeze, freeze_reason, is_protected, policy_for, weight_limit
+from .policy import check_freeze, freeze_reason, is_protected, policy_for
 from .shadow import shadow_summary
+from .strategies import Arm
 
 GUARDRAILS = Actor(None, "guardrails")
 # Without a plan, a promotion's evidence is each version's live traffic over this window.
@@ -61,12 +62,6 @@ def needs_approval(model: Model, alias: str) -> bool:
     """Moving a protected alias needs approval, except its very first pointer (nothing to
     protect yet, and how a new model gets its first version into service)."""
     return is_protected(policy_for(model), alias) and model.aliases.filter(name=alias).exists()
-
-
-def plan_weight_limit(plan: RolloutPlan) -> float:
-    """The largest weight the plan may carry without approval now: the lower of its own
-    ``max_weight`` and the policy's (which an approver may have tightened since)."""
-    return min(plan.max_weight, weight_limit(policy_for(plan.model), plan.alias, plan.mode))
 
 
 def start_plan(
@@ -81,13 +76,22 @@ def start_plan(
     arms: list[tuple[str, ModelVersion, float]] | None = None,
     **options: Any,
 ) -> tuple[RolloutPlan, ApprovalRequest | None]:
-    """A plan as a person starts it: a canary asked above the policy's limit starts AT the
-    limit and the weight asked for becomes a weight request, so an unreviewed candidate never
-    carries more than the policy allows. Returns the plan and that request (or None)."""
-    limit = weight_limit(policy_for(model), alias, mode)
-    above = mode == PlanMode.CANARY and weight > limit
-    if above:
+    """A plan as a person starts it. A start the traffic gate does not clear starts held and
+    asks for the rest: a canary at the limit, with the weight asked for as a weight request;
+    an A/B plan with the arms of unapproved versions at 0 %, with the weights asked for as an
+    arms request. So an unreviewed version never answers more than the policy allows. Returns
+    the plan and that request (or None)."""
+    current = model.aliases.filter(name=alias).values_list("version_id", flat=True).first()
+    asked = [Arm(n, v.pk, w) for n, v, w in arms or []]
+    routed = gate.start_arms(mode, current or 0, candidate.pk, weight, asked)
+    verdict = gate.judge_arms(model, alias, routed, options.get("max_weight"))
+    held = current is not None and not verdict.allowed
+    start_weight, start_arms = weight, arms
+    if held:
         check_requester(actor)  # before anything starts: a key with no owner cannot ask
+        if mode == PlanMode.CANARY:
+            start_weight = min(weight, verdict.limit)
+        start_arms = [(n, v, 0.0 if v.pk in verdict.gains else w) for n, v, w in arms or []]
     plan = actions.start_plan(
         model,
         mode,
@@ -95,14 +99,19 @@ def start_plan(
         guardrails,
         actor,
         alias=alias,
-        weight=min(weight, limit) if mode == PlanMode.CANARY else weight,
-        arms=arms,
+        weight=start_weight,
+        arms=start_arms or None,
         **options,
     )
-    if not above:
+    if not held:
         return plan, None
-    reason = f"asked for {weight:g} % at the start; the policy allows {limit:g} % without approval"
-    return plan, _open_request(model, alias, RequestKind.WEIGHT, actor, reason, plan, weight)
+    why = f"asked at the start; {verdict.explain()}"
+    if mode == PlanMode.AB:
+        weights = {n: float(w) for n, _, w in arms or []}
+        req = _open_request(model, alias, RequestKind.ARMS, actor, why, plan, None, arms=weights)
+    else:
+        req = _open_request(model, alias, RequestKind.WEIGHT, actor, why, plan, weight)
+    return plan, req
 
 
 def advance_or_ask(plan: RolloutPlan, step: float, reason: str) -> tuple[str, str]:
@@ -114,15 +123,15 @@ def advance_or_ask(plan: RolloutPlan, step: float, reason: str) -> tuple[str, st
     if frozen is not None:
         RolloutPlan.objects.filter(pk=plan.pk).update(status_note=frozen[:300])
         return "hold", frozen
-    promotion_approved = plan.requests.filter(
-        kind=RequestKind.PROMOTION, state=RequestState.APPROVED
-    ).exists()
-    if step <= plan_weight_limit(plan) or promotion_approved:
+    # An approved promotion makes the candidate approved for the alias: the gate then clears
+    # every step up to 100 %.
+    verdict = gate.judge_plan(plan, gate.canary_arms(plan, step))
+    if verdict.allowed:
         actions.set_weight(plan, step, GUARDRAILS, reason)
         return "advance", reason
     req = plan.requests.filter(kind=RequestKind.WEIGHT, state=RequestState.PENDING).first()
     if req is None:
-        asked = f"{reason}: the policy allows {plan_weight_limit(plan):g} % without approval"
+        asked = f"{reason}: {verdict.explain()}"
         req = _open_request(
             plan.model, plan.alias, RequestKind.WEIGHT, GUARDRAILS, asked, plan, step
         )
@@ -152,7 +161,7 @@ def change_weight(
         raise ValidationError({"weight": "only canary plans have a single weight"})
     if weight > plan.weight:
         check_freeze(plan.model, "raising a canary's weight")
-    if weight > plan_weight_limit(plan):
+    if not gate.judge_plan(plan, gate.canary_arms(plan, weight)).allowed:
         return _open_request(
             plan.model, plan.alias, RequestKind.WEIGHT, actor, reason, plan, weight
         )
@@ -162,13 +171,16 @@ def change_weight(
 def change_arms(
     plan: RolloutPlan, weights: dict[str, float], actor: Actor, reason: str = ""
 ) -> RolloutPlan | ApprovalRequest:
-    """A/B arm weights as a person sets them: on a protected alias every change is an arms
-    request (an approver looks at the new split); elsewhere applied directly."""
+    """A/B arm weights as a person sets them: applied when the traffic gate clears the split
+    they make (the arms of unapproved versions, summed, within the policy's limit, or none of
+    them gaining), else an arms request that an approver decides."""
     if plan.mode != PlanMode.AB:
         raise ValidationError({"arms": "only A/B plans have arms"})
-    actions.check_arm_weights({a.name for a in plan.arms.all()}, weights)
+    arms = list(plan.arms.all())
+    actions.check_arm_weights({a.name for a in arms}, weights)
     check_freeze(plan.model, "changing A/B arm weights")
-    if is_protected(policy_for(plan.model), plan.alias):
+    routed = [Arm(a.name, a.version_id, float(weights[a.name])) for a in arms]
+    if not gate.judge_plan(plan, routed).allowed:
         return _open_request(
             plan.model, plan.alias, RequestKind.ARMS, actor, reason, plan, None, arms=weights
         )
@@ -341,14 +353,14 @@ def _carry_out(req: ApprovalRequest, plan: RolloutPlan | None, actor: Actor, com
     if req.kind == RequestKind.ARMS:
         assert plan is not None and req.arm_weights is not None  # change_arms() opens these
         check_freeze(req.model, "changing A/B arm weights")
-        actions.set_arm_weights(plan, req.arm_weights, actor, reason)
+        actions.set_arm_weights(plan, req.arm_weights, actor, reason, approved=req)
         return RequestState.APPLIED
     if req.kind == RequestKind.WEIGHT:
         # change_weight() opens weight requests only on a plan, with the weight asked for.
         assert plan is not None and req.weight is not None
         if req.weight > plan.weight:
             check_freeze(req.model, "raising a canary's weight")
-        actions.set_weight(plan, req.weight, actor, reason)
+        actions.set_weight(plan, req.weight, actor, reason, approved=req)
         return RequestState.APPLIED
     if plan is None:
         check_freeze(req.model, "promoting")

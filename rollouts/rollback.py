@@ -25,6 +25,7 @@ from registry.services import alias_history, set_alias
 from tenants.audit import Actor, audit
 from tenants.models import Role
 
+from . import gate
 from .actions import kill
 from .models import ACTIVE_STATES, RolloutPlan
 
@@ -51,6 +52,12 @@ def rollback_alias(
         found = alias_for(model, alias)
         current = Alias.objects.select_for_update().get(pk=found.pk)
         target = _target(model, alias, current, to_version)
+        # The target is a version the alias pointed at, approved for it: the gate clears it.
+        verdict = gate.judge(
+            model, alias, gate.Routing({target.pk: 100.0}, model.fallback_version_id)
+        )
+        if not verdict.allowed:
+            raise gate.AboveLimit(verdict, f"rolling back to v{target.version}")
         plan = (
             RolloutPlan.objects.filter(model=model, alias=alias, state__in=ACTIVE_STATES)
             .select_related("model", "baseline", "candidate")

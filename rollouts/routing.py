@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,15 +48,36 @@ class Split:
         return version_id if bucket(-self.plan_id, key) < share * BUCKETS else None
 
 
-def split_of(plan: RolloutPlan) -> Split:
-    strategy = STRATEGIES[plan.mode]
-    arms = tuple(a for a in strategy.arms(plan) if a.weight > 0) or tuple(strategy.arms(plan)[:1])
-    total = sum(a.weight for a in arms) or 1.0
+def live_arms(arms: Sequence[Arm]) -> tuple[tuple[Arm, ...], tuple[int, ...]]:
+    """The arms that get traffic and the upper bucket bound of each: weights are relative (an
+    A/B plan's need not sum to 100), and a split of zeros sends everything to its first arm."""
+    live = tuple(a for a in arms if a.weight > 0)
+    if not live:
+        return tuple(arms[:1]), (BUCKETS,) if arms else ()
+    total = sum(a.weight for a in live)
     bounds, running = [], 0.0
-    for arm in arms:
+    for arm in live:
         running += arm.weight
         bounds.append(round(running / total * BUCKETS))
-    return Split(plan.pk, arms, tuple(bounds), plan.routing_header.lower(), strategy.shadow(plan))
+    return live, tuple(bounds)
+
+
+def shares_of(arms: Sequence[Arm]) -> dict[int, float]:
+    """Each version's percent of the answers, exactly as the buckets of ``split_of`` give it:
+    the traffic gate (``rollouts.gate``) judges what the gateways will do, not the weights."""
+    live, bounds = live_arms(arms)
+    shares: dict[int, float] = {}
+    lower = 0
+    for arm, bound in zip(live, bounds, strict=True):
+        shares[arm.version_id] = shares.get(arm.version_id, 0.0) + (bound - lower) * 100 / BUCKETS
+        lower = bound
+    return shares
+
+
+def split_of(plan: RolloutPlan) -> Split:
+    strategy = STRATEGIES[plan.mode]
+    arms, bounds = live_arms(strategy.arms(plan))
+    return Split(plan.pk, arms, bounds, plan.routing_header.lower(), strategy.shadow(plan))
 
 
 def active_split(tenant_id: int, model_name: str, alias: str) -> Split | None:

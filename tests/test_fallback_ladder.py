@@ -27,7 +27,7 @@ from monitoring.models import TrafficSample
 from monitoring.slo import model_slos
 from platform_site.asgi import application
 from registry.models import Model
-from registry.services import served_versions
+from registry.services import served_versions, set_alias
 from serving_agent._serving import result_frame
 from serving_agent.protocol import InferRequest, decode_frame, error_frame, unpack_frames
 from tenants.models import AuditEvent
@@ -307,7 +307,7 @@ def api(key: str) -> APIClient:
 
 def test_the_ladder_is_set_through_the_api_audited_and_checked(world):
     model = make_model(world.a, "clf")
-    make_version(model, V1)
+    v1 = make_version(model, V1)
     make_version(model, V2, alias=None)
     other = make_version(make_model(world.a, "other"), V1)
     client = api(world.key_a)
@@ -318,6 +318,15 @@ def test_the_ladder_is_set_through_the_api_audited_and_checked(world):
         "fallback_timeout_ms": 200,
         "default_answer": default,
     }
+    # The traffic gate: v2 never served production, and a fallback may answer all of it.
+    refused = client.patch("/api/v1/models/clf", body, format="json")
+    assert refused.status_code == 403, refused.content
+    assert "v2 is not approved for 'production'" in refused.json()["error"]
+    assert Model.objects.get(pk=model.pk).fallback_version is None
+    assert not AuditEvent.objects.filter(action="model.update").exists()
+    # Once production has served v2 (it is v1's last-known-good), v2 may be the fallback.
+    set_alias(model, "production", model.versions.get(version=2))
+    set_alias(model, "production", v1)
     response = client.patch("/api/v1/models/clf", body, format="json")
     assert response.status_code == 200, response.content
     assert response.json()["fallback_version"] == 2

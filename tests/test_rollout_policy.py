@@ -84,31 +84,82 @@ def test_a_weight_above_the_policy_is_a_request_whatever_max_weight_was_asked(te
     assert RolloutPlan.objects.get(pk=plan_id).weight == 5
 
 
-def test_an_ab_plan_with_a_90_percent_unreviewed_arm_is_governed(team):
+def answers_from(split, keys: int = 2000) -> dict[int, float]:
+    """Each version's percent of ``keys`` routing keys, as the gateways choose arms."""
+    counts: dict[int, int] = {}
+    for n in range(keys):
+        version_id = split.choose(f"user-{n}").version_id
+        counts[version_id] = counts.get(version_id, 0) + 1
+    return {v: c * 100 / keys for v, c in counts.items()}
+
+
+def test_ab_arms_on_unreviewed_versions_are_summed_by_the_traffic_gate(team):
+    """The measured bypass: a 40 % baseline arm and six 10 % arms on an unreviewed version,
+    each arm within the 10 % limit, 60 % of production in all."""
+    v1, v2 = (team.model.versions.get(version=n).pk for n in (1, 2))
+    arms = [{"name": "base", "version": 1, "weight": 40}]
+    arms += [{"name": f"c{n}", "version": 2, "weight": 10} for n in range(6)]
+    engineer = as_user(team.engineer_a)
+    asked = start(engineer, mode="ab", arms=arms)
+    assert asked.status_code == 202, asked.json()
+    body = asked.json()
+    assert body["kind"] == "arms" and body["state"] == "pending"
+    assert body["arm_weights"] == {a["name"]: a["weight"] for a in arms}
+    assert "60 %" in body["comment"] and "10 %" in body["comment"], body["comment"]
+    # Started held: the unreviewed arms carry nothing until an approver says yes.
+    split = active_split(team.a.pk, "clf", "production")
+    assert answers_from(split) == {v1: 100.0}
+    approved = as_user(team.ann).post(f"/api/v1/approvals/{body['id']}/approve")
+    assert approved.status_code == 200 and approved.json()["state"] == "applied"
+    split = active_split(team.a.pk, "clf", "production")
+    assert 55 < answers_from(split)[v2] < 65
+    # Lowering the unreviewed arms never waits; raising them again asks again.
+    plan_id = body["plan"]
+    lower = {"base": 70, **{f"c{n}": 5 for n in range(6)}}
+    assert engineer.post(f"/api/v1/rollouts/{plan_id}/arms", {"arms": lower}).status_code == 200
+    again = engineer.post(
+        f"/api/v1/rollouts/{plan_id}/arms", {"arms": {a["name"]: a["weight"] for a in arms}}
+    )
+    assert again.status_code == 202 and again.json()["kind"] == "arms"
+
+
+def test_ab_weights_within_the_limit_apply_and_above_it_ask(team):
     arms = [{"name": "a", "version": 1, "weight": 10}, {"name": "b", "version": 2, "weight": 90}]
     engineer = as_user(team.engineer_a)
-    refused = start(engineer, mode="ab", arms=arms)
-    assert refused.status_code == 403, refused.json()
-    assert "rollout policy" in refused.json()["error"] and "'b'" in refused.json()["error"]
-    assert not RolloutPlan.objects.exists()
-    # The baseline's own version may carry any share; another version up to the limit.
+    held = start(engineer, mode="ab", arms=arms)
+    assert held.status_code == 202 and held.json()["kind"] == "arms"
+    assert "production: 90 %" in held.json()["comment"]
+    as_user(team.engineer_a).post(f"/api/v1/rollouts/{held.json()['plan']}/kill")
+    # The baseline's own version may carry any share; other versions up to the limit, summed.
     arms = [{"name": "a", "version": 1, "weight": 90}, {"name": "b", "version": 2, "weight": 10}]
     started = start(engineer, mode="ab", arms=arms)
     assert started.status_code == 201, started.json()
     plan_id = started.json()["id"]
-    # Every change of the arms' weights on a protected alias waits for an approver.
-    asked = engineer.post(f"/api/v1/rollouts/{plan_id}/arms", {"arms": {"a": 10, "b": 90}})
+    # Weights are relative, as the gateways split them: 1 to 9 is 90 % for b.
+    asked = engineer.post(f"/api/v1/rollouts/{plan_id}/arms", {"arms": {"a": 1, "b": 9}})
     assert asked.status_code == 202 and asked.json()["kind"] == "arms"
-    assert asked.json()["arm_weights"] == {"a": 10, "b": 90}
+    assert asked.json()["arm_weights"] == {"a": 1, "b": 9}
     split = active_split(team.a.pk, "clf", "production")
     assert {a.name: a.weight for a in split.arms} == {"a": 90, "b": 10}
+    within = engineer.post(f"/api/v1/rollouts/{plan_id}/arms", {"arms": {"a": 95, "b": 5}})
+    assert within.status_code == 200, within.json()
     bad = engineer.post(f"/api/v1/rollouts/{plan_id}/arms", {"arms": {"a": 50}})
     assert bad.status_code == 400 and "each arm" in bad.json()["error"]
     approved = as_user(team.ann).post(f"/api/v1/approvals/{asked.json()['id']}/approve")
     assert approved.status_code == 200 and approved.json()["state"] == "applied"
     split = active_split(team.a.pk, "clf", "production")
-    assert {a.name: a.weight for a in split.arms} == {"a": 10, "b": 90}
-    assert AuditEvent.objects.filter(action="plan.arms").get().actor_label == "ann"
+    assert {a.name: a.weight for a in split.arms} == {"a": 1, "b": 9}
+    assert AuditEvent.objects.filter(action="plan.arms").latest("pk").actor_label == "ann"
+
+
+def test_a_zero_split_would_send_everything_to_its_first_arm_and_is_judged_so(team):
+    """Weights of zeros route to the first arm (the gateways must answer): an unreviewed first
+    arm at 0 % is still 100 % of production."""
+    arms = [{"name": "a", "version": 2, "weight": 0}, {"name": "b", "version": 1, "weight": 0}]
+    refused = start(as_user(team.engineer_a), mode="ab", arms=arms)
+    assert refused.status_code == 403, refused.json()
+    assert "100 %" in refused.json()["error"]
+    assert not RolloutPlan.objects.exists()
 
 
 def test_a_shadow_plan_moves_no_traffic_and_has_no_limit(team):

@@ -4,7 +4,6 @@ from . import views
 
 urlpatterns = [
     path("models", views.ModelListView.as_view()),
-    path("models/<str:name>", views.ModelDetailView.as_view()),
     path("models/<str:name>/versions", views.VersionListView.as_view()),
     path("models/<str:name>/versions/<int:version>", views.VersionDetailView.as_view()),
     path("models/<str:name>/versions/<int:version>/quantize", views.QuantizeView.as_view()),

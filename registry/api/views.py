@@ -24,7 +24,6 @@ from ..reference import set_reference_upload
 from .serializers import (
     AliasChangeSerializer,
     ModelSerializer,
-    ModelUpdateSerializer,
     ServingSettingsSerializer,
     VersionSerializer,
     VersionUploadSerializer,
@@ -50,35 +49,6 @@ class ModelListView(APIView):
             request.caller.tenant_id, actor_of(request), name, task, **settings
         )
         return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
-
-
-class ModelDetailView(APIView):
-    permission_classes = [TenantRolePermission]
-    parser_classes = [JSONBodyParser]
-
-    @extend_schema(responses=ModelSerializer)
-    def get(self, request: CallerRequest, name: str) -> Response:
-        return Response(ModelSerializer(model_for(request.caller.tenant_id, name)).data)
-
-    @extend_schema(request=ModelUpdateSerializer, responses=ModelSerializer)
-    def patch(self, request: CallerRequest, name: str) -> Response:
-        """Change the description or the monitoring settings (sampling, retention, drift, SLOs)."""
-        model = model_for(request.caller.tenant_id, name)
-        if not isinstance(request.data, dict):
-            raise ValidationError({"body": "must be a JSON object"})
-        fixed = sorted(
-            set(request.data) - set(services.MONITORING_FIELDS) - set(services.LADDER_FIELDS)
-        )
-        if fixed:
-            raise ValidationError(
-                {f: "cannot change; a model's name and task are fixed" for f in fixed}
-            )
-        changes = ModelUpdateSerializer(model, data=request.data, partial=True)
-        changes.is_valid(raise_exception=True)
-        updated = services.update_model_settings(
-            model, dict(changes.validated_data), actor_of(request)
-        )
-        return Response(ModelSerializer(updated).data)
 
 
 class VersionListView(APIView):

@@ -3,6 +3,8 @@ from django.urls import path
 from . import import_views, rollback_views, views
 
 urlpatterns = [
+    # A model's settings include its fallback ladder, which the traffic gate judges.
+    path("models/<str:name>", views.ModelDetailView.as_view()),
     path("models/<str:name>/rollouts", views.PlanListView.as_view()),
     path("models/<str:name>/versions/import", import_views.MlflowImportView.as_view()),
     path("models/<str:name>/promotions", views.PromotionListView.as_view()),

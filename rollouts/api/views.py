@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from platform_site.api import validated
 from platform_site.parsers import JSONBodyParser
+from registry import services as registry_services
 from registry.access import model_for, version_for
-from registry.api.serializers import AliasSerializer
+from registry.api.serializers import AliasSerializer, ModelSerializer, ModelUpdateSerializer
 from tenants.audit import Actor
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
-from .. import actions, approvals, policy
+from .. import actions, approvals, gate, policy
 from ..access import approval_for, approvals_of, plan_for
 from ..approvals import move_alias
 from ..arms import metrics_diff, plan_arm_metrics
@@ -57,8 +58,9 @@ class PlanListView(APIView):
         request=PlanCreateSerializer, responses={201: PlanSerializer, 202: ApprovalSerializer}
     )
     def post(self, request: CallerRequest, name: str) -> Response:
-        """Start a plan. A canary weight above the rollout policy's limit starts at the limit
-        and the weight asked for waits for an approver: 202 with that request."""
+        """Start a plan. A start the traffic gate does not clear starts held (a canary at the
+        policy's limit, A/B arms of unapproved versions at 0 %) and what was asked for waits
+        for an approver: 202 with that request."""
         model = model_for(request.caller.tenant_id, name)
         body = PlanCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -288,6 +290,40 @@ class AliasView(APIView):
         if isinstance(moved, ApprovalRequest):
             return approval_response(moved)
         return Response(AliasSerializer(moved).data)
+
+
+class ModelDetailView(APIView):
+    """A model, and changes to its description, monitoring settings and fallback ladder (the
+    ladder through the traffic gate: ``rollouts.gate.update_model_settings``)."""
+
+    permission_classes = [TenantRolePermission]
+    parser_classes = [JSONBodyParser]
+
+    @extend_schema(responses=ModelSerializer)
+    def get(self, request: CallerRequest, name: str) -> Response:
+        return Response(ModelSerializer(model_for(request.caller.tenant_id, name)).data)
+
+    @extend_schema(request=ModelUpdateSerializer, responses=ModelSerializer)
+    def patch(self, request: CallerRequest, name: str) -> Response:
+        """Change the description, the monitoring settings (sampling, retention, drift, SLOs) or
+        the fallback ladder: a fallback version must be approved for the model's protected
+        aliases (403 otherwise)."""
+        model = model_for(request.caller.tenant_id, name)
+        if not isinstance(request.data, dict):
+            raise ValidationError({"body": "must be a JSON object"})
+        fixed = sorted(
+            set(request.data)
+            - set(registry_services.MONITORING_FIELDS)
+            - set(registry_services.LADDER_FIELDS)
+        )
+        if fixed:
+            raise ValidationError(
+                {f: "cannot change; a model's name and task are fixed" for f in fixed}
+            )
+        changes = ModelUpdateSerializer(model, data=request.data, partial=True)
+        changes.is_valid(raise_exception=True)
+        updated = gate.update_model_settings(model, dict(changes.validated_data), actor_of(request))
+        return Response(ModelSerializer(updated).data)
 
 
 class TenantPolicyView(APIView):

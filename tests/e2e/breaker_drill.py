@@ -95,7 +95,7 @@ def start_platform(backend: Backend) -> tuple[str, str, list[Proc]]:
     return url, key, procs
 
 
-def approve(url: str, request_id: int) -> None:
+def approve(url: str, request_id: int, comment: str) -> None:
     """Approve a promotion request as the approver would, signed in to the web UI."""
     with httpx.Client(base_url=url, timeout=30) as web:
         web.get("/login/")
@@ -108,23 +108,28 @@ def approve(url: str, request_id: int) -> None:
         assert signed_in.status_code == 302, signed_in.text
         decided = web.post(
             f"/api/v1/approvals/{request_id}/approve",
-            json={"comment": "roll back: v1 fails every request"},
+            json={"comment": comment},
             headers={"X-CSRFToken": web.cookies["csrftoken"], "Referer": f"{url}/"},
         )
         assert decided.status_code == 200, decided.text
 
 
 def run_drill(url: str, key: str, requests: int = 60) -> list[Phase]:
-    """Model ``clf``: v1 (poisoned) in production, v2 its fallback, v3 a good version kept
-    warm under ``staging``. Three phases: every request poisoned; the fault cleared (plain
-    rows); poisoned again, then production rolled back to v3."""
+    """Model ``clf``: v2 (poisoned) promoted to production over v1, v1 (production's
+    last-known-good) its fallback, v3 a good version kept warm under ``staging``. Three phases:
+    every request poisoned; the fault cleared (plain rows); poisoned again, then production
+    moved to v3."""
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         assert client.post("/api/v1/models", json={"name": "clf", "task": "classifier"}).is_success
-        upload(client, poisoned_onnx(), "production")
-        upload(client, small_onnx(seed=2), None)
+        upload(client, small_onnx(seed=2), "production")
+        upload(client, poisoned_onnx(), None)
         upload(client, small_onnx(seed=3), "staging")
-        changed = client.patch("/api/v1/models/clf", json={"fallback_version": 2})
+        shipped = client.put("/api/v1/models/clf/aliases/production", json={"version": 2})
+        assert shipped.status_code == 202, shipped.text
+        approve(url, shipped.json()["id"], "ship v2")
+        # The traffic gate takes only a version approved for production as its fallback.
+        changed = client.patch("/api/v1/models/clf", json={"fallback_version": 1})
         assert changed.status_code == 200, changed.text
         for version in (1, 2, 3):
             path = f"/v2/models/clf/versions/{version}/ready"
@@ -133,11 +138,11 @@ def run_drill(url: str, key: str, requests: int = 60) -> list[Phase]:
         def infer(value: float) -> httpx.Response:
             return client.post("/v2/models/clf/infer", json=body(value))
 
-        fault = Phase("version errors on every request", "v1 raises on every row sent")
+        fault = Phase("version errors on every request", "v2 raises on every row sent")
         for _ in range(requests):
             fault.count(infer(POISON))
 
-        fixed = Phase("fault clears", "none (rows v1 can take)")
+        fixed = Phase("fault clears", "none (rows v2 can take)")
         started = time.monotonic()
         for _ in range(requests):
             if fixed.count(infer(0.5)) and fixed.recover_s is None:
@@ -145,13 +150,13 @@ def run_drill(url: str, key: str, requests: int = 60) -> list[Phase]:
             if fixed.recover_s is None:
                 time.sleep(0.05)  # the breaker waits out its cooldown before a probe
 
-        rollback = Phase("rolled back to v3", "v1 raises; production moved to v3 (approved)")
+        rollback = Phase("rolled back to v3", "v2 raises; production moved to v3 (approved)")
         for _ in range(10):
             rollback.count(infer(POISON))
         # Production is protected: the rollback is a promotion request an approver approves.
         asked = client.put("/api/v1/models/clf/aliases/production", json={"version": 3})
         assert asked.status_code == 202, asked.text
-        approve(url, asked.json()["id"])
+        approve(url, asked.json()["id"], "roll back: v2 fails every request")
         started = time.monotonic()
         for _ in range(requests):
             if rollback.count(infer(POISON)) and rollback.recover_s is None:
