@@ -86,6 +86,14 @@ class DispatchError(Exception):
         self.retry_after = retry_after
 
 
+class NotReady(DispatchError):
+    """No replica of the version is ready yet (an agent still loading it, or a cold start past
+    its hold): 503 with Retry-After, counted as "not ready", not as the version failing."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(503, message, retry_after)
+
+
 class NotSent(DispatchError):
     """The request never reached an agent (its socket failed under the send): safe to retry."""
 
@@ -418,7 +426,7 @@ class AgentPool:
             now = time.monotonic()
             wait = min(candidate.breaker.retry_after(now) for candidate in links)
             raise DispatchError(503, "every serving agent of this version is failing", wait)
-        raise DispatchError(503, "no serving agent is ready for this model version", 1)
+        raise NotReady("no serving agent is ready for this model version", 1)
 
     def _local_link(
         self, version_id: int, exclude: list[AgentLink], priority: int = INTERACTIVE
@@ -485,7 +493,7 @@ class AgentPool:
             send = partial(self.remote_sender, channel)
             stream = self._remote_streams[request.id] = StreamInbox(request.id, send)
         else:
-            raise DispatchError(503, "no serving agent is ready for this model version", 1)
+            raise NotReady("no serving agent is ready for this model version", 1)
         try:
             await self._send(stream.send, frame)
         except NotSent as exc:

@@ -14,7 +14,7 @@ from tenants.keys import KeyIdentity
 
 from .admission import check_budget
 from .breakers import Breaker
-from .dispatch import RETRY_STATUSES, DispatchError, status_of
+from .dispatch import RETRY_STATUSES, DispatchError, NotReady, status_of
 from .errors import ApiError, api_error
 from .metrics import Observed
 from .routes import Route
@@ -78,7 +78,10 @@ async def run_inference(
     except DispatchError as exc:
         if observed is not None:
             observed.mark("dispatch")
-        if counted is not None:
+        if counted is not None and isinstance(exc, NotReady):
+            # Not the version failing: nothing of it ran yet. Its own count, out of the SLIs.
+            state.traffic.not_ready(route.version_id, counted)
+        elif counted is not None:
             state.traffic.record(
                 route.version_id, time.perf_counter() - started, exc.status < 500, counted
             )

@@ -35,7 +35,7 @@ from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBu
 
 from .breakers import Breaker
 from .db import db_call
-from .dispatch import AgentLink, AgentPool, DispatchError
+from .dispatch import AgentLink, AgentPool, DispatchError, NotReady
 from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
 from .metrics import Observed, RequestMetrics, fold_dispatched
@@ -189,8 +189,7 @@ class GatewayState:
         while not self.pool.is_ready(version_id):
             now = loop.time()
             if now - started >= self.cold_start_hold_s:
-                raise DispatchError(
-                    503,
+                raise NotReady(
                     f"the model version is starting (cold start) and was not ready within "
                     f"{self.cold_start_hold_s:g} s; retry shortly",
                     COLD_RETRY_AFTER_S,

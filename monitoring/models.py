@@ -30,6 +30,10 @@ class TrafficSample(models.Model):
     # Of the errors, those a lower step of the model's fallback ladder answered: the version
     # failed (guardrails count them), the client got a degraded answer (the SLOs do not).
     degraded = models.PositiveIntegerField(default=0)
+    # Requests refused with 503 because no replica of the version was ready yet (an agent still
+    # loading it, a cold start past its hold): not in ``requests`` or ``errors``, so a new
+    # version's first requests never burn its error budget; shown as their own count.
+    not_ready = models.PositiveIntegerField(default=0)
     latency_buckets = models.JSONField()
     # {fine bucket index (as a JSON key): count}; see monitoring.traffic.fine_index.
     latency_fine = models.JSONField(default=dict, blank=True)

@@ -18,6 +18,10 @@ A burn rate is the bad share over a window divided by the share the objective al
 workbook's multi-window rule: critical when the 1 h and 5 m burn rates both exceed 14.4 (2 % of
 a 30-day budget in an hour), warning when the 6 h and 30 m rates both exceed 6 (5 % in six
 hours); the short window makes the alert stop soon after the burning does.
+
+Too few requests say nothing about a budget: an alert needs ``SWITCHYARD_SLO_MIN_EVENTS``
+requests (default 100) in its long window, and a budget counts as spent (the release freeze)
+only with that many in the SLO window. Below it the SLI shows "not enough data".
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class WindowCounts:
     errors: int = 0  # not counting degraded answers
     fast: int = 0
     degraded: int = 0
+    not_ready: int = 0  # refused before a replica was ready: in neither count above
 
     def bad(self, sli: str) -> int:
         return self.errors if sli == "availability" else self.requests - self.fast
@@ -110,10 +115,19 @@ def burn_rate(tally: WindowCounts, sli: str, objective: float) -> float:
     return 0.0 if share is None else share / (1.0 - objective)
 
 
-def alert_level(burn: dict[str, float]) -> tuple[str, str, float, str] | None:
-    """The first multi-window rule whose both windows burn past its rate, else None:
+def min_events() -> int:
+    return int(settings.SWITCHYARD_SLO_MIN_EVENTS)
+
+
+def alert_level(
+    burn: dict[str, float], events: dict[str, int] | None = None
+) -> tuple[str, str, float, str] | None:
+    """The first multi-window rule whose both windows burn past its rate, its long window
+    holding at least ``min_events()`` requests (``events``: requests per window), else None:
     ``(long window, short window, rate, severity)``."""
     for long, short, rate, severity in ALERT_RULES:
+        if events is not None and events.get(long, 0) < min_events():
+            continue
         if burn[long] > rate and burn[short] > rate:
             return long, short, rate, severity
     return None
@@ -130,6 +144,7 @@ def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
         sums[f"{name}:errors"] = Sum(F("errors") - F("degraded"), filter=within)
         sums[f"{name}:fast"] = Sum(fast, filter=within)
         sums[f"{name}:degraded"] = Sum("degraded", filter=within)
+        sums[f"{name}:not_ready"] = Sum("not_ready", filter=within)
     rows = TrafficSample.objects.filter(
         version__model_id=model.pk,
         window_end__gt=now - max(windows.values()),
@@ -142,6 +157,7 @@ def model_tallies(model: Model, now: datetime) -> dict[str, WindowCounts]:
             got[f"{name}:errors"] or 0,
             got[f"{name}:fast"] or 0,
             got[f"{name}:degraded"] or 0,
+            got[f"{name}:not_ready"] or 0,
         )
         for name in windows
     }
@@ -154,12 +170,17 @@ def sli_status(model: Model, sli: str, tallies: dict[str, WindowCounts]) -> dict
     window = tallies["slo"]
     share = window.bad_share(sli)
     burn = {name: round(burn_rate(tallies[name], sli, objective), 4) for name in BURN_WINDOWS}
-    level = alert_level(burn)
+    events = {name: tallies[name].requests for name in BURN_WINDOWS}
+    level = alert_level(burn, events)
     return {
         "sli": sli,
         "objective": objective,
         "threshold_ms": model.slo_latency_ms if sli == "latency" else None,
         "requests": window.requests,
+        # Fewer requests than this over the SLO window: the budget is "not enough data".
+        "min_events": min_events(),
+        "enough_data": window.requests >= min_events(),
+        "events": events,
         "bad": window.bad(sli),
         "value": None if share is None else round(1.0 - share, 6),
         # Negative once the budget is overspent; 1 when nothing was spent (or nothing served).
@@ -185,6 +206,8 @@ def model_slos(model: Model, now: datetime | None = None) -> dict[str, Any]:
             if tallies["slo"].requests
             else None
         ),
+        # Requests refused (503, Retry-After) while no replica was ready yet: not in the SLIs.
+        "not_ready": tallies["slo"].not_ready,
     }
 
 
@@ -195,7 +218,7 @@ def error_budget_spent(model: Model, now: datetime | None = None) -> list[str]:
     status = model_slos(model, now)
     spent = []
     for sli in status["slis"]:
-        if sli["requests"] and sli["budget_remaining"] <= 0:
+        if sli["enough_data"] and sli["budget_remaining"] <= 0:
             objective = f"{sli['objective'] * 100:g} %"
             what = (
                 f"{objective} of requests without a server error"
@@ -273,7 +296,7 @@ def evaluate_model(model: Model, now: datetime | None = None) -> dict[str, str |
     done: dict[str, str | None] = {}
     for sli in status["slis"]:
         key = alert_key(model.pk, sli["sli"])
-        level = alert_level(sli["burn"])
+        level = alert_level(sli["burn"], sli["events"])
         if level is None:
             resolve_alert(model.tenant_id, key)
             done[sli["sli"]] = None

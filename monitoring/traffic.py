@@ -56,6 +56,7 @@ class Counts:
     requests: int = 0
     errors: int = 0
     degraded: int = 0  # errors a lower step of the model's fallback ladder answered
+    not_ready: int = 0  # refused before any replica was ready: not requests, not errors
     # Usage: rows of the requests answered (their batch dimension), generation tokens.
     rows: int = 0
     tokens_in: int = 0
@@ -115,6 +116,10 @@ class TrafficCounter:
         counts.tokens_in += tokens_in
         counts.tokens_out += tokens_out
 
+    def not_ready(self, version_id: int, counted: PlanArmKey = NO_PLAN) -> None:
+        """A request refused because no replica of the version was ready yet."""
+        self._for(version_id, counted).not_ready += 1
+
     def degrade(self, version_id: int, counted: PlanArmKey = NO_PLAN) -> None:
         """The version's last failed request was answered by its model's fallback ladder."""
         self._for(version_id, counted).degraded += 1
@@ -135,6 +140,7 @@ def save_samples(counts: dict[CounterKey, Counts]) -> None:
             requests=c.requests,
             errors=c.errors,
             degraded=c.degraded,
+            not_ready=c.not_ready,
             latency_buckets=c.buckets,
             latency_fine=c.fine,
             rows=c.rows,

@@ -531,6 +531,9 @@ SWITCHYARD_WEBHOOK_ALLOW_PRIVATE = env_bool("SWITCHYARD_WEBHOOK_ALLOW_PRIVATE", 
 SWITCHYARD_DRIFT_HISTORY_DAYS = env_float("SWITCHYARD_DRIFT_HISTORY_DAYS", 30)
 # SLIs and error budgets are measured over this many days (monitoring/slo.py).
 SWITCHYARD_SLO_WINDOW_DAYS = env_float("SWITCHYARD_SLO_WINDOW_DAYS", 30)
+# Burn alerts and the release freeze need at least this many requests in the window they
+# judge: one 503 out of a model's first two requests is not a spent budget.
+SWITCHYARD_SLO_MIN_EVENTS = env_int("SWITCHYARD_SLO_MIN_EVENTS", 100)
 
 LOGGING = {
     "version": 1,

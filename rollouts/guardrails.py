@@ -179,11 +179,13 @@ def first_breach(
     drift: ArmDrift | None = None,
     drift_limit: float | None = None,
     quality: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    base_need: int | None = None,
 ) -> str | None:
     """The first guardrail the candidate breaches: before ``min_samples`` only an egregious
-    failure counts; from there every check."""
+    failure counts; from there every check. ``base_need``: the baseline's own sample size
+    where it differs (see ``judge``)."""
     need = int(guardrails["min_samples"])
-    if base.requests < need or cand.requests < need:
+    if base.requests < (need if base_need is None else base_need) or cand.requests < need:
         return early_abort(guardrails, base, cand)
     # The request-level checks first: their reasons are the most direct ones to act on.
     for reason in (
@@ -206,22 +208,32 @@ def judge(
     drift: ArmDrift | None = None,
     drift_limit: float | None = None,
     quality: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    base_need: int | None = None,
 ) -> Verdict:
     """A canary's decision for one look, from the two arms' numbers, the candidate's drift
-    against the baseline and, when the plan asks, both arms' online quality."""
-    breach = first_breach(guardrails, base, cand, drift, drift_limit, quality)
+    against the baseline and, when the plan asks, both arms' online quality. ``base_need``:
+    how many baseline requests the look needs when that is not ``min_samples`` (at a 100 %
+    step the baseline gets no traffic, so what it served during the plan is all there is)."""
+    breach = first_breach(guardrails, base, cand, drift, drift_limit, quality, base_need)
     if breach is not None:
         return Verdict("rollback", breach)
     need = int(guardrails["min_samples"])
-    if base.requests < need or cand.requests < need:
+    base_need = need if base_need is None else base_need
+    if base.requests < base_need or cand.requests < need:
         return Verdict(
             "wait",
-            f"waiting for data: baseline {base.requests}/{need}, "
+            f"waiting for data: baseline {base.requests}/{base_need}, "
             f"candidate {cand.requests}/{need} requests",
         )
     if not baked:
         return Verdict("hold", "healthy, baking")
-    return Verdict("promote" if last_step else "advance", "healthy past its bake time")
+    reason = "healthy past its bake time"
+    if base_need < need:
+        reason += (
+            f" (against the {base.requests} requests the baseline served during the plan: "
+            "at 100 % it gets none)"
+        )
+    return Verdict("promote" if last_step else "advance", reason)
 
 
 # Stalls ----------------------------------------------------------------------------------------
@@ -317,9 +329,15 @@ def evaluate(plan: RolloutPlan, now: datetime | None = None) -> Verdict:
     if plan.guardrails.get("max_quality_drop") is not None:
         measured = quality_by_version([plan.baseline_id, plan.candidate_id], plan.created_at)
         quality = (measured.get(plan.baseline_id, {}), measured.get(plan.candidate_id, {}))
-    verdict = judge(plan.guardrails, base, cand, baked, last_step, drift, limit, quality)
+    # At 100 % the baseline's count cannot grow: the step is judged against what it served
+    # during the plan, however many that was, or the plan would wait for data forever.
+    need = int(plan.guardrails["min_samples"])
+    base_need = need if plan.weight < 100 else min(need, base.requests)
+    verdict = judge(plan.guardrails, base, cand, baked, last_step, drift, limit, quality, base_need)
     if verdict.action == "wait":
-        counts = {"baseline": base.requests, "candidate": cand.requests}
+        counts = {"candidate": cand.requests}
+        if base_need == need:
+            counts["baseline"] = base.requests
         stalled = stall_reason(plan.guardrails, counts, elapsed, plan.bake_seconds)
         flag_stall(plan, stalled)
         if stalled is not None:

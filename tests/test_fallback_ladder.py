@@ -25,6 +25,7 @@ from gateway.dispatch import AgentLink
 from gateway.state import GatewayState
 from monitoring.models import TrafficSample
 from monitoring.slo import model_slos
+from monitoring.traffic import NO_PLAN, save_samples
 from platform_site.asgi import application
 from registry.models import Model
 from registry.services import served_versions, set_alias
@@ -235,6 +236,23 @@ def test_a_model_without_a_ladder_fails_as_before(world, state, rng):
     Agent(state, v1.pk, V1).mode = "error"
     status, _, answer = infer(world.key_a, rng.normal(size=(1, 4)).astype(np.float32))
     assert status == 500 and "onnxruntime raised" in answer["error"]
+
+
+def test_a_version_no_agent_has_ready_is_not_ready_not_a_server_error(world, state, rng):
+    """A new version's first requests, sent while its agent still loads it: 503 with
+    Retry-After, counted as not ready, so they never burn the model's error budget."""
+    model = make_model(world.a, "clf")
+    make_version(model, V1)  # no agent has it ready
+    for _ in range(3):
+        status, headers, answer = infer(world.key_a, rng.normal(size=(1, 4)).astype(np.float32))
+        assert status == 503 and "no serving agent is ready" in answer["error"]
+        assert headers["retry-after"] == "1"
+    ((_, counts),) = state.traffic.drain().items()
+    assert (counts.not_ready, counts.requests, counts.errors) == (3, 0, 0)
+    save_samples({(model.versions.get().pk, NO_PLAN): counts})
+    status = model_slos(model)
+    assert status["not_ready"] == 3
+    assert all(s["requests"] == 0 and s["budget_remaining"] == 1 for s in status["slis"])
 
 
 def test_client_errors_are_never_degraded(ladder, state, rng):

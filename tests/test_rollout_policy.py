@@ -231,6 +231,30 @@ def test_an_approved_promotion_covers_the_steps_up_to_100(team):
     assert plan.weight == 100 and not plan.requests.filter(kind="weight").exists()
 
 
+def test_an_approved_promotion_lands_though_the_baseline_stops_getting_traffic(team):
+    """The measured dead end: canary 5/25/50/100, the promotion and the 100 % weight approved,
+    then "waiting for data: baseline 148/200" forever, since at 100 % the baseline gets no
+    traffic. At 100 % the step is judged against what the baseline served during the plan."""
+    engineer, ann = user_actor(team.engineer_a, Role.ENGINEER), user_actor(team.ann, Role.APPROVER)
+    version = team.model.versions.get(version=2)
+    plan, _ = approvals.start_plan(
+        team.model, "canary", version, GUARDRAILS, engineer, weight=5, steps=[5, 25, 50, 100]
+    )
+    sample(plan.baseline_id, requests=148)  # all the baseline served during the plan
+    request = approvals.request_promotion(team.model, None, engineer, plan=plan)
+    approvals.approve(request, ann, "ship it")
+    plan.refresh_from_db()
+    actions.set_weight(plan, 100, engineer, "all in")  # the gate clears it: v2 is approved
+    plan.refresh_from_db()
+    sample(plan.candidate_id, requests=500)
+    verdict = evaluate(plan, now=timezone.now() + timedelta(seconds=301))
+    assert verdict.action == "promote", verdict
+    assert production(team.model) == 2
+    plan.refresh_from_db()
+    assert plan.state == "promoted"
+    assert "148 requests the baseline served during the plan" in plan.status_note
+
+
 # Keys and the four-eyes rule -------------------------------------------------------------------
 
 

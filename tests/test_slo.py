@@ -275,3 +275,26 @@ def test_the_beat_task_runs_the_evaluation(clf):
         clf.model.pk: {"availability": "critical", "latency": None}
     }
     assert slo_alerts(clf.model).get().severity == "critical"
+
+
+def test_too_few_requests_neither_alert_nor_spend_the_budget(clf, now, settings):
+    """The measured false alarm: one 503 out of a new model's first two requests read as a
+    -49900 % budget, a critical alert and a release freeze."""
+    sample(clf.v1, now - timedelta(minutes=1), {5: 1}, errors=1)
+    availability = status_of(clf.model, now)["availability"]
+    assert (availability["requests"], availability["enough_data"]) == (2, False)
+    assert availability["alert"] is None
+    assert slo.error_budget_spent(clf.model, now) == []
+    assert slo.evaluate_slos(now) == {clf.model.pk: {"availability": None, "latency": None}}
+    # With the minimum lowered to what was served, the same two requests are judged.
+    settings.SWITCHYARD_SLO_MIN_EVENTS = 2
+    assert status_of(clf.model, now)["availability"]["alert"] == "critical"
+    assert slo.error_budget_spent(clf.model, now)
+
+
+def test_an_alert_needs_the_minimum_in_its_long_window(clf, now):
+    burning = {"5m": 20, "30m": 20, "1h": 20, "6h": 20}
+    assert slo.alert_level(burning, {"5m": 50, "30m": 99, "1h": 99, "6h": 99}) is None
+    level = slo.alert_level(burning, {"5m": 50, "30m": 99, "1h": 99, "6h": 100})
+    assert level is not None and level[3] == "warning"
+    assert slo.alert_level(burning, {"5m": 5, "30m": 5, "1h": 100, "6h": 100})[3] == "critical"

@@ -43,7 +43,16 @@ function renderRow(row, s) {
   row.querySelector('[data-field="objective"]').textContent = objectiveText(s);
   row.querySelector('[data-field="value"]').textContent =
     s.value === null ? "no traffic" : `${pct(s.value, 3)} of ${Sy.fmt.int(s.requests)}`;
-  row.querySelector('[data-field="budget"]').replaceChildren(budgetBar(s.budget_remaining));
+  // Too few requests say nothing about a budget (monitoring/slo.py min_events): no bar, no alert.
+  row.querySelector('[data-field="budget"]').replaceChildren(
+    s.enough_data
+      ? budgetBar(s.budget_remaining)
+      : Sy.el(
+          "span",
+          { class: "muted small", "data-not-enough": "" },
+          `not enough data: n = ${Sy.fmt.int(s.requests)} (alerts and freezes need ${Sy.fmt.int(s.min_events)})`
+        )
+  );
   const hot = hotWindows(s.burn);
   for (const cell of row.querySelectorAll("[data-burn]")) {
     const w = cell.dataset.burn;
@@ -106,6 +115,10 @@ function render(snapshot) {
       const row = section.querySelector(`tr[data-sli="${s.sli}"]`);
       if (row) renderRow(row, s);
     }
+    section.querySelector('[data-field="not-ready"]').textContent = model.not_ready
+      ? `${Sy.fmt.int(model.not_ready)} requests were refused while no replica was ready yet ` +
+        "(503 with Retry-After): not counted in the SLIs."
+      : "";
     if (window.Plotly) renderChart(section.querySelector("[data-chart]"), model);
   }
 }
