@@ -21,8 +21,9 @@ from monitoring.traffic import arm_stats
 from platform_site.errors import Conflict
 from tenants.audit import Actor, audit
 
+from . import gate
 from .models import PlanArm, PlanMode, RolloutPlan
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, Arm
 
 
 def plan_arms(plan: RolloutPlan) -> list[tuple[str, int, float]]:
@@ -94,15 +95,33 @@ def _weights(plan: RolloutPlan) -> dict[str, Any]:
 
 def drop_arm(plan: RolloutPlan, arm: PlanArm, actor: Actor, reason: str) -> None:
     """An arm that breached a guardrail gets no more traffic (weight 0; the gateways follow
-    within a second); the others keep their shares. Audited as ``plan.arm_drop``."""
+    within a second). Its weight goes to the baseline's arm, so every other arm keeps its share
+    of the answers (weights are relative: dropped alone, the rest would grow); the traffic gate
+    judges the result like any change (``gate.AboveLimit`` when no baseline arm can take it and
+    unapproved arms would grow). Audited as ``plan.arm_drop``."""
     with transaction.atomic():
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if not locked.is_active:
             raise Conflict(f"the plan is {locked.state}")
         before = _weights(locked)
-        row = PlanArm.objects.get(pk=arm.pk)
+        arms = {a.pk: a for a in locked.arms.select_for_update()}
+        row = arms[arm.pk]
+        keeper = next(
+            (a for a in arms.values() if a.version_id == locked.baseline_id and a.pk != row.pk),
+            None,
+        )
+        changed = [row]
+        if keeper is not None:
+            keeper.weight += row.weight
+            changed.append(keeper)
         row.weight = 0.0
-        row.save(update_fields=["weight"])  # a save, so the gateways' route caches follow
+        verdict = gate.judge_plan(
+            locked, [Arm(a.name, a.version_id, a.weight) for a in arms.values()]
+        )
+        if not verdict.allowed:
+            raise gate.AboveLimit(verdict, f"dropping arm {row.name!r}")
+        for changed_arm in changed:  # saves, so the gateways' route caches follow
+            changed_arm.save(update_fields=["weight"])
         locked.status_note = reason
         locked.save(update_fields=["status_note", "updated_at"])
         audit(

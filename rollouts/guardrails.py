@@ -40,6 +40,7 @@ from monitoring.traffic import ArmStats, arm_stats
 from . import actions
 from .approvals import GUARDRAILS, advance_or_ask, promote_when_approved
 from .arms import declare_ab_result, drop_arm
+from .gate import AboveLimit
 from .models import PlanArm, PlanMode, PlanState, RolloutPlan
 from .stats import (
     error_excess,
@@ -428,7 +429,13 @@ def evaluate_ab(plan: RolloutPlan, now: datetime) -> Verdict:
         breach = first_breach(plan.guardrails, stats[reference.name], stats[arm.name])
         if breach is not None:
             reason = short(f"arm {arm.name} vs {reference.name}: {breach}")
-            drop_arm(plan, arm, GUARDRAILS, reason)
+            try:
+                drop_arm(plan, arm, GUARDRAILS, reason)
+            except AboveLimit:
+                # No approved arm can take its traffic: end the plan, all of it to the baseline.
+                reason = short(f"{reason}; no baseline arm to take its share: rolled back")
+                actions.rollback(plan, GUARDRAILS, reason)
+                return Verdict("rollback", reason)
             return Verdict("drop", reason)
     active = [a for a in arms if a.weight > 0]
     need = int(plan.guardrails["min_samples"])

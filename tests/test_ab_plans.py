@@ -30,6 +30,7 @@ from rollouts.tasks import evaluate_rollouts
 from tenants.models import AuditEvent
 from tests import test_fallback_ladder as ladder
 from tests.factories import make_model, make_version
+from tests.onnx_models import small_onnx
 from tests.test_fallback_ladder import V1, V2, Agent
 from tests.test_guardrails import log_labelled
 
@@ -216,6 +217,35 @@ def test_an_arm_that_breaches_the_guardrails_is_dropped_and_audited(world, model
     split = active_split(world.a.pk, "clf", "production")
     assert [a.name for a in split.arms] == ["a"]  # the gateways route every user to a
     assert evaluate(plan).action == "hold"  # one arm left: nothing to compare
+
+
+def test_a_dropped_arms_share_goes_to_the_baseline_so_no_other_arm_grows(world, model):
+    """Weights are relative: dropping c (15) alone would turn b's 15 into 15/85 = 17.6 %."""
+    v3 = make_version(model, small_onnx(seed=5), alias=None)
+    plan = ab_plan(model, [("a", world.v1, 70), ("b", world.v2, 15), ("c", v3, 15)])
+    arm_sample(plan, "a", world.v1.pk, 500, 2)
+    arm_sample(plan, "c", v3.pk, 30, 30)
+    assert evaluate(plan).action == "drop"
+    assert {a.name: a.weight for a in plan.arms.all()} == {"a": 85, "b": 15, "c": 0}
+
+
+def test_a_drop_the_gate_refuses_ends_the_plan(world, model):
+    """No arm serves the baseline (v2; a serves v1, approved as production's previous version),
+    and after the policy tightened, dropping c would raise b past the limit: rolled back."""
+    other = make_model(world.a, "other")
+    o1 = make_version(other, V1)
+    make_version(other, V2)  # production moves to v2: v1 is its last-known-good
+    o3 = make_version(other, small_onnx(seed=5), alias=None)
+    o4 = make_version(other, small_onnx(seed=6), alias=None)
+    arms = [("a", o1, 50), ("b", o3, 25), ("c", o4, 25)]
+    plan = start_plan(other, "ab", o3, RAILS, Actor(None, "test"), arms=arms)
+    RolloutPolicy.objects.filter(tenant=world.a).update(max_weight_without_approval=30)
+    arm_sample(plan, "a", o1.pk, 500, 2)
+    arm_sample(plan, "c", o4.pk, 30, 30)
+    verdict = evaluate(plan)
+    assert verdict.action == "rollback" and "rolled back" in verdict.reason, verdict
+    plan.refresh_from_db()
+    assert plan.state == PlanState.ROLLED_BACK
 
 
 # Shadow copies ----------------------------------------------------------------------------------
