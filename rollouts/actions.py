@@ -108,6 +108,7 @@ def start_plan(
         baseline=current.version,
         candidate=candidate,
         weight=weight,
+        weights_run=[ran(weight)] if mode == PlanMode.CANARY else [],
         guardrails=guardrails,
         created_by_id=actor.user_id,
         **options,
@@ -194,7 +195,9 @@ def set_weight(
         locked.weight = weight
         locked.step_started_at = timezone.now()  # the new step bakes and is judged from here
         locked.status_note = reason
-        locked.save(update_fields=["weight", "step_started_at", "status_note", "updated_at"])
+        locked.weights_run = [*locked.weights_run, ran(weight)]
+        fields = ["weight", "step_started_at", "status_note", "weights_run", "updated_at"]
+        locked.save(update_fields=fields)
         audit(
             locked.model.tenant_id,
             actor,
@@ -205,6 +208,11 @@ def set_weight(
             reason,
         )
     return locked
+
+
+def ran(weight: float) -> dict[str, Any]:
+    """One entry of ``RolloutPlan.weights_run``."""
+    return {"weight": float(weight), "at": timezone.now().isoformat()}
 
 
 def kill(plan: RolloutPlan, actor: Actor, reason: str = "") -> RolloutPlan:

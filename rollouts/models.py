@@ -70,6 +70,9 @@ class RolloutPlan(models.Model):
     # An A/B plan's outcome once the guardrails decide it: {"winner": arm name or null for "no
     # difference", "metric", "reason", "at"}; null while undecided (rollouts.guardrails).
     ab_result = models.JSONField(null=True, blank=True)
+    # Every canary weight the plan ran at, in order ({"weight", "at"}): the timeline draws the
+    # steps that ran as done, and those jumped over or never reached as such.
+    weights_run = models.JSONField(default=list, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )

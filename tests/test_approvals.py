@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from django.db import connection, connections
+from django.test import Client
 
 from monitoring.models import TrafficSample
 from monitoring.traffic import Counts
@@ -374,3 +375,33 @@ def test_a_promotion_racing_a_rollback_ends_in_one_state(live_team):
         assert plan.state == "rolled_back" and promoted[0] is False
         assert production(model) == 1
         assert ApprovalRequest.objects.get(pk=request_id).state == "cancelled"
+
+
+def test_evidence_without_enough_data_says_so_instead_of_a_diff(team):
+    """The measured misreading: a candidate with 0 requests showed "+0.00 pp, −5 ms, −20 ms,
+    −50 ms", which reads as faster."""
+    plan_id = start_canary(as_user(team.engineer_a))
+    baseline = team.model.versions.get(version=1)
+    counts = Counts()
+    for _ in range(148):
+        counts.add(0.02, ok=True)
+    TrafficSample.objects.create(
+        version=baseline,
+        window_end=RolloutPlan.objects.get(pk=plan_id).created_at,
+        requests=counts.requests,
+        errors=0,
+        latency_buckets=counts.buckets,
+    )
+    body = as_user(team.viewer_a).get(f"/api/v1/rollouts/{plan_id}/metrics").json()
+    assert body["diff"] == {
+        "not_enough_data": True,
+        "n": {"baseline": 148, "candidate": 0},
+        "need": 1,
+    }
+    asked = as_user(team.engineer_a).post(f"/api/v1/rollouts/{plan_id}/promotion", {})
+    web = Client()
+    web.force_login(team.ann)
+    page = web.get(f"/approvals/{asked.json()['id']}/").content.decode()
+    assert "not enough data: n = 0 (candidate), 148 (baseline)" in page
+    assert "ms</td>" not in page.split("data-not-enough")[1][:200]
+    assert "since the plan started" in page

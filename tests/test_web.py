@@ -144,7 +144,9 @@ def test_an_approver_who_did_not_ask_gets_the_decision_buttons(site):
     approver = signed_in(site.approver_a).get(url).content.decode()
     assert 'data-decision="approve"' in approver and 'data-decision="reject"' in approver
     assert "ship it" in approver and "not measured yet" in approver
-    assert "candidate − baseline" in approver  # the evidence's diff row
+    # No traffic yet: the evidence says so instead of a diff of zeros.
+    assert "not enough data: n = 0 (candidate), 0 (baseline)" in approver
+    assert "candidate − baseline" not in approver
     requester = signed_in(site.engineer_a).get(url).content.decode()
     assert 'data-decision="approve"' not in requester and "data-own-request" in requester
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from registry.models import Model, ReferenceSample
 from rollouts import actions, approvals
-from rollouts.models import PlanState
+from rollouts.models import PlanState, RolloutPolicy
 from tenants.audit import Actor
 from tenants.models import AuditEvent
 from tests.factories import make_member, make_model, make_version
@@ -234,7 +234,7 @@ def test_the_timeline_shows_done_current_upcoming_and_the_bake_end(world, onnx_b
     plan = canary(world, onnx_bytes, steps=[1, 5, 25, 50, 100], bake_seconds=300, max_weight=50)
     timeline = plan_snapshot(plan)["timeline"]
     assert states(timeline) == [
-        (1, "done"),
+        (1, "skipped"),  # the plan started at 5 %: it never ran at 1 %
         (5, "current"),
         (25, "upcoming"),
         (50, "upcoming"),
@@ -265,15 +265,32 @@ def test_open_requests_show_as_needing_approval(world, onnx_bytes):
     assert timeline["end"] == "approval"
 
 
-def test_an_ended_plan_shows_its_end_state_and_no_countdown(world, onnx_bytes):
-    plan = canary(world, onnx_bytes, steps=[5, 25, 100])
+def test_the_timeline_shows_steps_as_they_happened(world, onnx_bytes):
+    """Measured: skipped steps drawn as done, and after a kill every step "not reached",
+    including those that ran."""
+    RolloutPolicy.objects.create(tenant=world.a, max_weight_without_approval=100)
+    plan = canary(world, onnx_bytes, steps=[5, 25, 50, 100], max_weight=100)
+    plan = actions.set_weight(plan, 50, Actor(None, "test"), "jump")  # 25 never ran
+    assert states(plan_timeline(plan, [])) == [
+        (5, "done"),
+        (25, "skipped"),
+        (50, "current"),
+        (100, "upcoming"),
+    ]
     ended = actions.kill(plan, Actor(None, "test"), "bad")
     timeline = plan_timeline(ended, [])
     assert ended.state == PlanState.ROLLED_BACK and timeline["end"] == "rolled_back"
-    assert {s for _, s in states(timeline)} == {"skipped"} and timeline["bake_ends_at"] is None
+    assert states(timeline) == [
+        (5, "done"),
+        (25, "not_reached"),
+        (50, "killed"),
+        (100, "not_reached"),
+    ]
+    assert timeline["bake_ends_at"] is None
     ended.state = PlanState.PROMOTED
     promoted = plan_timeline(ended, [])
-    assert promoted["end"] == "promoted" and {s for _, s in states(promoted)} == {"done"}
+    assert promoted["end"] == "promoted"
+    assert states(promoted) == [(5, "done"), (25, "skipped"), (50, "done"), (100, "skipped")]
 
 
 def test_the_rollout_page_has_the_timeline_and_an_apply_button(world, onnx_bytes):

@@ -103,9 +103,11 @@ def dashboard_snapshot(tenant_id: int) -> dict[str, Any]:
 
 
 def plan_timeline(plan: RolloutPlan, requests: list[ApprovalRequest]) -> dict[str, Any]:
-    """The canary's steps as the rollout page's timeline draws them, Argo-style: each step
-    done, current, upcoming, waiting for approval (an open weight request for it) or skipped
-    (the plan ended before it), then the end state. The current step's bake ends at
+    """The canary's steps as the rollout page's timeline draws them, Argo-style, as they
+    happened (``RolloutPlan.weights_run``): each step done (the plan ran at it), current,
+    killed (where a kill or rollback found it), skipped (jumped over), not reached (the plan
+    ended before it), upcoming or waiting for approval (an open weight request for it), then
+    the end state. The current step's bake ends at
     ``bake_ends_at``; the page counts down to it."""
     open_weights = {
         float(r.weight)
@@ -115,16 +117,24 @@ def plan_timeline(plan: RolloutPlan, requests: list[ApprovalRequest]) -> dict[st
     promotion_open = any(
         r.kind == RequestKind.PROMOTION and r.state in OPEN_REQUEST_STATES for r in requests
     )
+    # What ran, as it happened (plans from before the record: every weight up to the current).
+    history = [float(w["weight"]) for w in plan.weights_run]
+    last = history[-1] if history else plan.weight
+    ran = set(history) - {0.0} if history else {float(s) for s in plan.steps if s <= plan.weight}
     # A weight set by hand between two steps (or the first weight) is shown where it stands.
-    weights = sorted({float(s) for s in plan.steps} | open_weights | ({plan.weight} - {0.0}))
+    weights = sorted({float(s) for s in plan.steps} | open_weights | ran)
     steps = []
     for weight in weights:
-        if plan.state == PlanState.PROMOTED or (plan.is_active and weight < plan.weight):
-            state = "done"
-        elif plan.is_active and weight == plan.weight:
+        if plan.is_active and weight == plan.weight:
             state = "current"
+        elif plan.state == PlanState.ROLLED_BACK and weight == last and weight in ran:
+            state = "killed"  # the step it was at when it was killed or rolled back
+        elif weight in ran:
+            state = "done"
+        elif plan.state == PlanState.PROMOTED or (plan.is_active and weight < plan.weight):
+            state = "skipped"  # jumped over: the plan never ran at it
         elif not plan.is_active:
-            state = "skipped"
+            state = "not_reached"
         elif weight in open_weights:
             state = "approval"
         else:

@@ -231,7 +231,13 @@ def evidence_display(evidence: dict[str, Any]) -> dict[str, Any]:
         for arm in evidence.get("arms") or []
     ]
     diff = evidence.get("diff")
-    if diff is not None:
+    if diff is not None and diff.get("not_enough_data"):
+        n = diff["n"]
+        diff = {
+            "not_enough": f"not enough data: n = {n['candidate']} (candidate), "
+            f"{n['baseline']} (baseline); a comparison needs {diff['need']} of each"
+        }
+    elif diff is not None:
         diff = {
             "error_rate": f"{diff['error_rate'] * 100:+.2f} pp" if "error_rate" in diff else "–",
             **{k: f"{diff[k]:+g} ms" if k in diff else "–" for k in ("p50_ms", "p95_ms", "p99_ms")},
@@ -245,9 +251,16 @@ def evidence_display(evidence: dict[str, Any]) -> dict[str, Any]:
             else f"{rate * 100:.1f} % of {shadow['answered']} copies agreed "
             f"({shadow['failed']} failed)"
         )
+    since = evidence.get("since")
+    window = (
+        f"since the plan started, {since[:16].replace('T', ' ')} UTC"
+        if evidence.get("plan") is not None and since
+        else "over the hour before"
+    )
     return {
         "arms": arms,
         "diff": diff,
+        "window": window,
         "shadow": shadow,
         "drift": evidence.get("drift"),
         "offline": evidence.get("offline_metrics") or {},

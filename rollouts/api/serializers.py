@@ -180,8 +180,11 @@ class ArmMetricsSerializer(serializers.Serializer[Any]):
 class PlanMetricsSerializer(serializers.Serializer[Any]):
     plan = serializers.IntegerField()
     arms = ArmMetricsSerializer(many=True)
-    diff = serializers.DictField(
-        child=serializers.FloatField(), allow_null=True, help_text="candidate minus baseline"
+    diff = serializers.JSONField(
+        allow_null=True,
+        help_text="candidate minus baseline (error_rate, p50_ms, p95_ms, p99_ms); with no "
+        'requests on a side: {"not_enough_data": true, "n": {"baseline": …, "candidate": …}, '
+        '"need": 1}',
     )
 
 

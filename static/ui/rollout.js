@@ -21,7 +21,9 @@ const STEP_LABELS = {
   current: "current",
   upcoming: "upcoming",
   approval: "needs approval",
-  skipped: "not reached",
+  killed: "killed here",
+  skipped: "skipped",
+  not_reached: "not reached",
 };
 const END_LABELS = {
   promoted: "promoted",
