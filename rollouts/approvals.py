@@ -443,8 +443,7 @@ def evidence_now(req: ApprovalRequest) -> dict[str, Any]:
         "since": since.isoformat(),
         "plan": plan.pk if plan is not None else None,
         "arms": arms,
-        # A diff needs the plan's own sample size on both sides (one request is no evidence).
-        "diff": metrics_diff(arms, int(plan.guardrails["min_samples"]) if plan else 1),
+        "diff": metrics_diff(arms),
         "shadow": shadow,
         "offline_metrics": offline,
         "drift": drift.evidence(req.to_version_id),

@@ -76,7 +76,8 @@ def metrics_diff(arms: list[dict[str, Any]], need: int = 1) -> dict[str, Any] | 
     """Candidate minus baseline for the numbers an approver compares (canary and shadow).
     With fewer than ``need`` requests on either side there is nothing to compare: then
     ``{"not_enough_data": True, "n": {"baseline": …, "candidate": …}, "need": need}``, never a
-    diff against zeros (a candidate with no requests is not "5 ms faster")."""
+    diff against zeros (a candidate with no requests is not "5 ms faster"). A diff carries
+    each side's ``n``."""
     by_name = {a["arm"]: a for a in arms}
     base = by_name.get("baseline")
     cand = by_name.get("candidate") or by_name.get("shadow")
@@ -89,6 +90,7 @@ def metrics_diff(arms: list[dict[str, Any]], need: int = 1) -> dict[str, Any] | 
     for key in ("error_rate", "p50_ms", "p95_ms", "p99_ms"):
         if base[key] is not None and cand[key] is not None:
             diff[key] = round(cand[key] - base[key], 6)
+    diff["n"] = {"baseline": base["requests"], "candidate": cand["requests"]}
     return diff
 
 

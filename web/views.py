@@ -238,7 +238,10 @@ def evidence_display(evidence: dict[str, Any]) -> dict[str, Any]:
             f"{n['baseline']} (baseline); a comparison needs {diff['need']} of each"
         }
     elif diff is not None:
+        n = diff.get("n") or {}
         diff = {
+            "label": f"candidate − baseline (n = {n.get('candidate', '?')} and "
+            f"{n.get('baseline', '?')} requests)",
             "error_rate": f"{diff['error_rate'] * 100:+.2f} pp" if "error_rate" in diff else "–",
             **{k: f"{diff[k]:+g} ms" if k in diff else "–" for k in ("p50_ms", "p95_ms", "p99_ms")},
         }

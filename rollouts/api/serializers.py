@@ -182,7 +182,8 @@ class PlanMetricsSerializer(serializers.Serializer[Any]):
     arms = ArmMetricsSerializer(many=True)
     diff = serializers.JSONField(
         allow_null=True,
-        help_text="candidate minus baseline (error_rate, p50_ms, p95_ms, p99_ms); with no "
+        help_text="candidate minus baseline (error_rate, p50_ms, p95_ms, p99_ms) and each side's "
+        "requests (n); with no "
         'requests on a side: {"not_enough_data": true, "n": {"baseline": …, "candidate": …}, '
         '"need": 1}',
     )
