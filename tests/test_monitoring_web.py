@@ -228,6 +228,9 @@ def test_the_slo_page_shows_each_model_of_the_tenant_with_both_slis(site):
     assert response.status_code == 200
     page = response.content.decode()
     assert 'data-model="clf"' in page and 'data-chart="clf"' in page
+    # The overview first: one row per model and SLI, linking to the model's section.
+    assert page.index('id="slo-overview"') < page.index('data-chart="clf"')
+    assert page.count('data-overview="clf"') == 2 and 'href="#slo-clf"' in page
     assert "secret-b" not in page
     assert '<a href="/slo/" class="active">SLOs</a>' in page
     assert "over the last 30 days" in page

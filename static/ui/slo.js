@@ -41,8 +41,8 @@ function hotWindows(burn) {
 
 function renderRow(row, s) {
   row.querySelector('[data-field="objective"]').textContent = objectiveText(s);
-  row.querySelector('[data-field="value"]').textContent =
-    s.value === null ? "no traffic" : `${pct(s.value, 3)} of ${Sy.fmt.int(s.requests)}`;
+  const value = row.querySelector('[data-field="value"]'); // not in the overview
+  if (value) value.textContent = s.value === null ? "no traffic" : `${pct(s.value, 3)} of ${Sy.fmt.int(s.requests)}`;
   // Too few requests say nothing about a budget (monitoring/slo.py min_events): no bar, no alert.
   row.querySelector('[data-field="budget"]').replaceChildren(
     s.enough_data
@@ -53,6 +53,10 @@ function renderRow(row, s) {
           `not enough data: n = ${Sy.fmt.int(s.requests)} (alerts and freezes need ${Sy.fmt.int(s.min_events)})`
         )
   );
+  renderBurn(row, s);
+}
+
+function renderBurn(row, s) {
   const hot = hotWindows(s.burn);
   for (const cell of row.querySelectorAll("[data-burn]")) {
     const w = cell.dataset.burn;
@@ -64,6 +68,18 @@ function renderRow(row, s) {
       ? Sy.el("span", { class: `badge ${s.alert}` }, s.alert)
       : Sy.el("span", { class: "muted small" }, "none")
   );
+}
+
+// The overview: one row per model and SLI, the same cells as the model's own table.
+function renderOverview(snapshot) {
+  for (const model of snapshot.models) {
+    for (const s of model.slis) {
+      const row = document.querySelector(
+        `tr[data-overview="${CSS.escape(model.model)}"][data-sli="${s.sli}"]`
+      );
+      if (row) renderRow(row, s);
+    }
+  }
 }
 
 function renderChart(node, model) {
@@ -108,6 +124,7 @@ function renderChart(node, model) {
 }
 
 function render(snapshot) {
+  renderOverview(snapshot);
   for (const model of snapshot.models) {
     const section = document.querySelector(`section[data-model="${CSS.escape(model.model)}"]`);
     if (!section) continue; // a model created since the page loaded shows on the next visit
