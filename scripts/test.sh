@@ -70,7 +70,7 @@ if $PY scripts/services_up.py; then
   stage "end-to-end tests on two workers" \
     pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "${E2E[@]}" "$@"
   stage "end-to-end tests marked serial, alone" \
-    pytest -m "e2e and serial" --durations=12 "${SERIAL[@]}" "$@"
+    pytest -m "e2e and serial" --durations=30 "${SERIAL[@]}" "$@"
   stage "where the backend matters, again on the embedded default (SQLite, in-process layers)" \
     embedded pytest -m "backends and not e2e" -n "$WORKERS" "${BACKENDS[@]}" "$@"
 else
