@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from monitoring.models import TrafficSample
@@ -144,3 +145,40 @@ def test_an_approved_promotion_waits_out_the_freeze(team):
     )
     assert approvals.promote_when_approved(plan, "healthy at the last step")[0] is True
     assert team.model.aliases.get(name="production").version.version == 2
+
+
+def test_the_model_page_shows_the_freeze_where_it_blocks_and_the_approvers_override(team):
+    """The measured gap: the model page did not show the freeze, and the override was API-only."""
+    web = Client()
+    web.force_login(team.engineer_a)
+    calm = web.get("/models/clf/").content.decode()
+    assert 'id="freeze"' not in calm and 'id="canary-form"' in calm
+    burn(team.model.versions.get(version=1).pk)
+    frozen = web.get("/models/clf/").content.decode()
+    assert 'id="freeze"' in frozen and "Release freeze" in frozen
+    assert "the availability SLO" in frozen
+    # The canary form it blocks says so instead of offering a start that would get a 409.
+    assert 'id="canary-form"' not in frozen and "data-frozen-form" in frozen
+    assert 'id="freeze-override"' not in frozen  # an engineer cannot override
+    approver = Client()
+    approver.force_login(team.ann)
+    assert 'id="freeze-override"' in approver.get("/models/clf/").content.decode()
+    # What the form sends (static/ui/model.js): the API's override, as the approver's session.
+    done = as_user(team.ann).post(
+        "/api/v1/models/clf/freeze-override", {"reason": "the fix is this release", "hours": 2}
+    )
+    assert done.status_code == 201, done.json()
+    after = web.get("/models/clf/").content.decode()
+    assert "Release freeze overridden" in after and "the fix is this release" in after
+    assert 'id="canary-form"' in after
+    assert AuditEvent.objects.filter(action="freeze.override").get().actor_label == "ann"
+
+
+def test_the_rollout_page_says_what_the_freeze_refuses(team):
+    plan = start_canary(team)
+    web = Client()
+    web.force_login(team.engineer_a)
+    assert "data-frozen-form" not in web.get(f"/rollouts/{plan.pk}/").content.decode()
+    burn(plan.baseline_id)
+    page = web.get(f"/rollouts/{plan.pk}/").content.decode()
+    assert "data-frozen-form" in page and "the kill switch still work" in page

@@ -21,6 +21,7 @@ from registry.models import TaskKind
 from rollouts.access import approval_for, approvals_of, plan_for
 from rollouts.approvals import evidence_of
 from rollouts.models import PlanMode, RequestState
+from rollouts.policy import freeze_status
 from tenants.audit import audit_events, user_actor
 from tenants.members import SESSION_KEY, memberships_of
 from tenants.models import AuditEvent, Role
@@ -97,6 +98,9 @@ def model_detail(request: TenantRequest, name: str) -> HttpResponse:
             "active_plan": active,
             # A canary moves production from the version it points at towards another one.
             "candidates": [v for v in versions if production and v.pk != production.version_id],
+            # A spent error budget freezes starts, steps and promotions: shown where they are.
+            "freeze": freeze_status(model),
+            "is_approver": request.membership.role == Role.APPROVER,
         },
     )
 
@@ -125,6 +129,7 @@ def rollout_detail(request: TenantRequest, plan_id: int) -> HttpResponse:
             "plan": plan,
             "is_canary": plan.mode == PlanMode.CANARY,
             "snapshot": plan_snapshot(plan),
+            "freeze": freeze_status(plan.model) if plan.is_active else None,
         },
     )
 

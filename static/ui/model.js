@@ -77,6 +77,24 @@ document.addEventListener("DOMContentLoaded", () => {
       }
     });
   }
+  // An approver overrides a release freeze with a reason (audited as freeze.override).
+  const override = document.getElementById("freeze-override");
+  if (override) {
+    override.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const body = {
+        reason: override.elements.reason.value,
+        hours: Number(override.elements.hours.value),
+      };
+      const url = `/api/v1/models/${encodeURIComponent(override.dataset.model)}/freeze-override`;
+      const result = await Sy.api("POST", url, body);
+      if (result.status === 201) {
+        location.reload();
+      } else {
+        Sy.message(override.querySelector("[data-msg]"), "error", Sy.errorText(result));
+      }
+    });
+  }
   const form = document.getElementById("canary-form");
   if (!form) return;
   form.addEventListener("submit", async (event) => {
