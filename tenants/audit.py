@@ -99,6 +99,8 @@ def audit_events(tenant_id: int, where: dict[str, Any]) -> QuerySet[AuditEvent]:
         events = events.filter(Q(target__icontains=where["q"]) | Q(reason__icontains=where["q"]))
     if where.get("since"):
         events = events.filter(created_at__gte=where["since"])
+    if where.get("until"):
+        events = events.filter(created_at__lt=where["until"])
     return events
 
 

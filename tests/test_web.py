@@ -4,6 +4,7 @@ as the controls a user gets, and another tenant's objects are 404."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -11,6 +12,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 from django.contrib.staticfiles import finders
 from django.test import Client
+from django.utils import timezone
 
 from rollouts import actions, approvals
 from tenants.audit import Actor
@@ -184,7 +186,7 @@ def test_audit_log_filters_and_pages_the_tenants_events(site):
     assert "weight: 9.0 → <b>10</b>" in first.content.decode()  # before → after
     assert client.get("/audit/?page=2").context["page_obj"].number == 2
     started = client.get("/audit/?action=plan.start").context["rows"]
-    assert [e.action for e, _ in started] == ["plan.start"]
+    assert [e.action for e, _, _ in started] == ["plan.start"]
     assert client.get("/audit/?actor=nobody").context["page_obj"].paginator.count == 0
     assert client.get("/audit/?q=clf").context["page_obj"].paginator.count > 50
 
@@ -291,3 +293,24 @@ def test_live_socket_closes_4400_on_a_bad_message(site, text):
         return answer
 
     assert async_to_sync(run)() == {"type": "websocket.close", "code": 4400}
+
+
+def test_audit_rows_link_to_their_objects_and_filter_by_date(site):
+    client = signed_in(site.engineer_a)
+    response = client.get("/audit/")
+    rows = response.context["rows"]
+    links = {e.action: link for e, _, link in rows}
+    assert links["plan.start"] == "/models/clf/aliases/production/"
+    assert links["approval.request"] == f"/approvals/{site.req_a.pk}/"
+    assert links["version.create"] == "/models/clf/"
+    assert b'href="/models/clf/aliases/production/"' in response.content
+    today = timezone.now().date()
+    kept = client.get(f"/audit/?from={today}&to={today}").context["page_obj"].paginator.count
+    assert kept == AuditEvent.objects.filter(tenant=site.a).count()
+    later = today + timedelta(days=1)
+    assert client.get(f"/audit/?from={later}").context["page_obj"].paginator.count == 0
+    earlier = today - timedelta(days=1)
+    assert client.get(f"/audit/?to={earlier}").context["page_obj"].paginator.count == 0
+    bad = client.get("/audit/?from=2026-02-30&to=yesterday")
+    assert bad.status_code == 400
+    assert bad.context["errors"] == {"from": "a date, YYYY-MM-DD", "to": "a date, YYYY-MM-DD"}

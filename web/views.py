@@ -3,6 +3,8 @@ goes through the REST API from the page's JavaScript, so the UI has no second wr
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -11,10 +13,12 @@ from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
+from django.urls import reverse
+from django.utils.dateparse import parse_date
 from django.views.decorators.http import require_POST
 
 from registry import services
-from registry.access import model_for
+from registry.access import model_for, models_of
 from registry.api.serializers import ModelSerializer
 from registry.formats import DEFAULT_FORMAT, FORMATS
 from registry.models import TaskKind
@@ -174,21 +178,69 @@ def approval_detail(request: TenantRequest, approval_id: int) -> HttpResponse:
 
 @tenant_view
 def audit(request: TenantRequest) -> HttpResponse:
-    filters = {k: request.GET.get(k, "").strip() for k in ("action", "actor", "q")}
-    events = audit_events(_tenant_id(request), filters)
+    filters = {k: request.GET.get(k, "").strip() for k in ("action", "actor", "q", "from", "to")}
+    where: dict[str, Any] = {k: filters[k] for k in ("action", "actor", "q")}
+    errors = {}
+    for field, key, days in (("from", "since", 0), ("to", "until", 1)):
+        if filters[field]:
+            day = _day(filters[field])
+            if day is None:
+                errors[field] = "a date, YYYY-MM-DD"
+                continue
+            # Days in UTC, the "to" day included: events before the next midnight.
+            start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+            where[key] = start + timedelta(days=days)
+    events = audit_events(_tenant_id(request), where)
     events_page = Paginator(events, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
     actions = AuditEvent.objects.filter(tenant_id=_tenant_id(request)).values_list("action")
+    links = audit_links(_tenant_id(request), list(events_page))
     return page(
         request,
         "audit.html",
         {
             "page_obj": events_page,
-            "rows": [(e, changes(e.before, e.after)) for e in events_page],
+            "rows": [(e, changes(e.before, e.after), links.get(e.pk)) for e in events_page],
             "filters": filters,
+            "errors": errors,
             "query": urlencode({k: v for k, v in filters.items() if v}),
             "actions": actions.order_by("action").distinct().values_list("action", flat=True),
         },
+        status=400 if errors else 200,
     )
+
+
+def _day(text: str) -> date | None:
+    try:
+        return parse_date(text)
+    except ValueError:  # well formed, no such day (2026-02-30)
+        return None
+
+
+# "#12 promotion acme/clf@production → v2 (pending)", "acme/clf@production: canary v1→v2",
+# "acme/clf v3": the request and the model (and alias) an event's target names.
+_REQUEST_TARGET = re.compile(r"^#(\d+) ")
+_MODEL_TARGET = re.compile(r"^(?:#\d+ \w+ )?[^/\s]+/([^@\s]+?)(?:@([^:\s]+))?(?:[:\s]|$)")
+
+
+def audit_links(tenant_id: int, events: list[AuditEvent]) -> dict[int, str]:
+    """A link to the object each event is about, where it still exists: an approval request,
+    an alias or a model (one query for the page's models)."""
+    found: dict[int, tuple[str, str | None]] = {}
+    requests: dict[int, str] = {}
+    for event in events:
+        if event.action.startswith("approval.") and (m := _REQUEST_TARGET.match(event.target)):
+            requests[event.pk] = m.group(1)
+        elif m := _MODEL_TARGET.match(event.target):
+            found[event.pk] = (m.group(1), m.group(2))
+    names = {name for name, _ in found.values()}
+    existing = set(models_of(tenant_id).filter(name__in=names).values_list("name", flat=True))
+    links = {pk: reverse("approval", args=[int(n)]) for pk, n in requests.items()}
+    for pk, (name, alias) in found.items():
+        if name in existing:
+            links[pk] = (
+                reverse("alias", args=[name, alias]) if alias else reverse("model", args=[name])
+            )
+    return links
 
 
 @login_required
