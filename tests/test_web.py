@@ -304,6 +304,7 @@ def test_audit_rows_link_to_their_objects_and_filter_by_date(site):
     assert links["approval.request"] == f"/approvals/{site.req_a.pk}/"
     assert links["version.create"] == "/models/clf/"
     assert b'href="/models/clf/aliases/production/"' in response.content
+    assert b"<code>plan.<wbr>start</code>" in response.content  # wraps at the dot only
     today = timezone.now().date()
     kept = client.get(f"/audit/?from={today}&to={today}").context["page_obj"].paginator.count
     assert kept == AuditEvent.objects.filter(tenant=site.a).count()
