@@ -106,7 +106,23 @@ const Sy = (() => {
 
   // Every page's charts share one look: a 230 px box (the .chart class), the legend below,
   // the page's font, no background and no mode bar. ``layout`` adds to or overrides it.
+  //
+  // Two promises hold for every chart here: a line never bridges a gap in the data (a point
+  // missing for longer than the series' usual step gets a break), and a chart with no data
+  // says "no data yet" instead of drawing empty axes.
   function chart(node, traces, layout) {
+    traces = traces.map(breakGaps);
+    const empty = traces.every((t) => !(t.y || []).some((v) => v !== null && v !== undefined));
+    if (empty) {
+      layout = {
+        ...layout,
+        xaxis: { visible: false },
+        yaxis: { visible: false },
+        annotations: [
+          { text: "no data yet", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5, font: { size: 14, color: "#868e96" } },
+        ],
+      };
+    }
     const base = {
       margin: { l: 44, r: 10, t: 6, b: 30 },
       height: 230,
@@ -117,6 +133,34 @@ const Sy = (() => {
       plot_bgcolor: "rgba(0,0,0,0)",
     };
     window.Plotly.react(node, traces, { ...base, ...layout }, { displayModeBar: false, responsive: true });
+  }
+
+  // A line trace over time with a null inserted wherever consecutive points lie more than
+  // 2.5 typical steps apart, and connectgaps off: Plotly then breaks the line there.
+  function breakGaps(trace) {
+    const lines = (trace.mode || "lines").includes("lines") && (trace.type || "scatter") === "scatter";
+    const x = trace.x || [];
+    if (!lines || x.length < 3 || !trace.y) return { connectgaps: false, ...trace };
+    const times = x.map((t) => new Date(t).getTime());
+    if (times.some(Number.isNaN)) return { connectgaps: false, ...trace };
+    const steps = times.slice(1).map((t, i) => t - times[i]).filter((d) => d > 0).sort((a, b) => a - b);
+    const step = steps[Math.floor(steps.length / 2)];
+    if (!step) return { connectgaps: false, ...trace };
+    // Arrays that run along the points (hover text) get the break too, to stay aligned.
+    const along = ["y", "text", "hovertext", "customdata"].filter(
+      (k) => Array.isArray(trace[k]) && trace[k].length === x.length
+    );
+    const out = { ...trace, x: [x[0]], connectgaps: false };
+    for (const k of along) out[k] = [trace[k][0]];
+    for (let i = 1; i < x.length; i++) {
+      if (times[i] - times[i - 1] > 2.5 * step) {
+        out.x.push(x[i - 1]); // a null at the last point's time: the line stops there
+        for (const k of along) out[k].push(null);
+      }
+      out.x.push(x[i]);
+      for (const k of along) out[k].push(trace[k][i]);
+    }
+    return out;
   }
 
   const fmt = {
