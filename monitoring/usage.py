@@ -20,7 +20,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, QuerySet, Sum
+from django.db.models import F, Max, QuerySet, Sum
 from django.utils import timezone
 
 from platform_site.errors import Forbidden, Invalid
@@ -196,6 +196,57 @@ def set_prices(tenant_id: int | None, values: Any, actor: Actor) -> dict[str, De
             after,
         )
     return prices_of(tenant_id)
+
+
+# What a price is in when nobody said otherwise (``Price.currency``'s default).
+DEFAULT_CURRENCY = "USD"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How a tenant's costs read: the currency its prices are in, and the resources nobody
+    priced (neither the tenant nor the platform's defaults). What those count costs 0
+    because it is unpriced, not because it is free: a page says so rather than show 0."""
+
+    currency: str
+    unpriced: frozenset[str]
+
+    def missing(self, item: Mapping[str, Any]) -> list[str]:
+        """The resources that an item (a ``grouped`` row or the ``totals``) counted and that
+        have no price."""
+        return [r for r, f in UNITS_FIELD.items() if item.get(f) and r in self.unpriced]
+
+    def state(self, item: Mapping[str, Any]) -> str:
+        """``unpriced`` when nothing the item counted has a price, ``partly`` when some of it
+        has none, else ``priced`` (an item that counted nothing is priced: it cost nothing)."""
+        used = [r for r, f in UNITS_FIELD.items() if item.get(f)]
+        missing = self.missing(item)
+        if not missing:
+            return "priced"
+        return "unpriced" if len(missing) == len(used) else "partly"
+
+    @staticmethod
+    def together(pricings: Iterable[Pricing]) -> Pricing:
+        """Several tenants' at once (the operators' totals): what any of them has unpriced,
+        and their currency, or none that a sum over them could be in."""
+        pricings = list(pricings)
+        currencies = {p.currency for p in pricings} or {DEFAULT_CURRENCY}
+        currency = currencies.pop() if len(currencies) == 1 else "(mixed currencies)"
+        return Pricing(currency, frozenset(r for p in pricings for r in p.unpriced))
+
+
+def pricing_of(tenant_id: int) -> Pricing:
+    """The tenant's ``Pricing``: its own prices' currency, else the defaults', else USD."""
+    rows = list(price_rows(tenant_id)) + list(price_rows(None))
+    priced = {p.resource for p in rows}
+    currency = rows[0].currency if rows else DEFAULT_CURRENCY
+    return Pricing(currency, frozenset(r for r in RESOURCES if r not in priced))
+
+
+def pricing_by_tenant(rows: QuerySet[UsageDay]) -> dict[str, Pricing]:
+    """``pricing_of`` each tenant among the rows, by slug (the operators' every-tenant view)."""
+    tenants = dict(rows.order_by().values_list("tenant__slug", "tenant_id").distinct())
+    return {slug: pricing_of(tenant_id) for slug, tenant_id in tenants.items()}
 
 
 def cost_of(units: Mapping[str, float | int], prices: Mapping[str, Decimal]) -> Decimal:
@@ -382,6 +433,14 @@ def chart_series(rows: QuerySet[UsageDay]) -> dict[str, Any]:
     for model, by_day in sorted(per_model.items()):
         series["models"][model] = {f: [by_day.get(d, {}).get(f, 0.0) for d in days] for f in FIELDS}
     return series
+
+
+def rolled_up_at(rows: QuerySet[UsageDay]) -> datetime | None:
+    """When the roll-up last wrote any of these rows (None: none rolled up yet). The roll-up
+    rewrites a row only when its sums change, so this is when these numbers last moved: no
+    run of its own is recorded, and an idle tenant's stamp stays at its last change."""
+    at: datetime | None = rows.aggregate(at=Max("updated_at"))["at"]
+    return at
 
 
 class _Line:
