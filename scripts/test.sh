@@ -63,7 +63,7 @@ trap summary EXIT
 
 if $PY scripts/services_up.py; then
   stage "unit and API tests: PostgreSQL + Redis ($DATABASE_URL $REDIS_URL)" \
-    pytest -m "not e2e" -n "$WORKERS" "${UNIT[@]}" "$@"
+    pytest -m "not e2e" -n "$WORKERS" --durations=40 "${UNIT[@]}" "$@"
   # End-to-end: real processes on the embedded default and on PostgreSQL + Redis. Two workers,
   # a module's tests on one (its platform is started once per module and backend); then the
   # timing-sensitive ones (marked serial) alone.
