@@ -45,6 +45,9 @@ if $has_paths; then E2E=(); SERIAL=(); BACKENDS=(); UNIT=(); fi
 # Each pass's time, and the total, printed as they end and again at the end.
 started=$SECONDS
 times=()
+# A pass that fails does not stop the others: one run says everything that is wrong (and how
+# long each pass took); the script's status is a failure if any pass failed.
+failed=()
 stage() {
   local name=$1 t0=$SECONDS status=0
   shift
@@ -52,12 +55,13 @@ stage() {
   "$@" || status=$?
   times+=("$(printf '%6d s  %s' $((SECONDS - t0)) "$name")")
   echo "-- $name: $((SECONDS - t0)) s"
-  return "$status"
+  if [ "$status" -ne 0 ]; then failed+=("$name (status $status)"); fi
 }
 summary() {
   echo "== stage times"
   printf '%s\n' "${times[@]}"
   printf '%6d s  total\n' $((SECONDS - started))
+  if [ "${#failed[@]}" -ne 0 ]; then printf '== failed: %s\n' "${failed[@]}"; fi
 }
 trap summary EXIT
 
@@ -81,3 +85,4 @@ else
   stage "end-to-end tests marked serial, alone: embedded" \
     embedded pytest -m "e2e and serial" "${SERIAL[@]}" "$@"
 fi
+[ "${#failed[@]}" -eq 0 ]
