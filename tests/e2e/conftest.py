@@ -118,9 +118,11 @@ def platform_with_agent(
     yields (backend, url, processes) and stops everything afterwards. ``seed``: the rows the
     test needs besides the agent's node (harness.Seed), made with the template."""
     backend = make_backend(backend_name, tmp, AGENT_SEED + seed)
-    backend.env.update(env or {})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # The platform's own processes (batch jobs in the worker) call its front door here.
+    backend.env["SWITCHYARD_PLATFORM_URL"] = url
+    backend.env.update(env or {})
     procs = [start_server(backend, "uvicorn", port)]
     try:
         procs.append(start_agent(backend, url, create_node(backend, "n")))
