@@ -116,8 +116,6 @@ const Sy = (() => {
     if (empty) {
       layout = {
         ...layout,
-        xaxis: { visible: false },
-        yaxis: { visible: false },
         annotations: [
           { text: "no data yet", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5, font: { size: 14, color: "#868e96" } },
         ],

@@ -14,7 +14,7 @@ import pytest
 
 from tests.onnx_models import small_onnx
 
-from .conftest import platform_with_agent, upload_and_promote, wait_ready
+from .conftest import BACKENDS, platform_with_agent, upload_and_promote, wait_ready
 from .harness import ROOT, allow_weight, create_tenant, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
@@ -91,16 +91,13 @@ def browser():
         chromium.close()
 
 
-# The pages do not depend on the backend: the browser tests run once, on PostgreSQL + Redis as
-# in production; every feature's own end-to-end tests run on both backends.
-BROWSER_BACKEND = "services"
-
-
-@pytest.fixture
-def platform(tmp_path):
+# One platform per module and backend: the two tests use models of their own (fraud, churn).
+@pytest.fixture(scope="module", params=BACKENDS)
+def platform(request, tmp_path_factory):
     # Tenant acme with its users, and the slider's bound: 30 % applies, 80 % asks.
     seed = (("tenant", "acme"), ("shell", CREATE_USERS.format(users=USERS)), ("weight", "acme", 50))
-    with platform_with_agent(BROWSER_BACKEND, tmp_path, seed=seed) as (backend, url, procs):
+    tmp_path = tmp_path_factory.mktemp(f"browser-{request.param}")
+    with platform_with_agent(request.param, tmp_path, seed=seed) as (backend, url, procs):
         key = create_tenant(backend, "acme")
         backend.shell(CREATE_USERS.format(users=USERS))
         allow_weight(backend, "acme", 50)  # the slider's bound: 30 % applies, 80 % asks

@@ -16,7 +16,7 @@ from tests.onnx_models import small_onnx
 
 from .conftest import BACKENDS, platform_with_agent, upload_and_promote
 from .harness import create_tenant, wait_until
-from .test_browser import BROWSER_BACKEND, CHROMIUM, CHROMIUM_ARGS, CREATE_USERS, shot, sign_in
+from .test_browser import CHROMIUM, CHROMIUM_ARGS, CREATE_USERS, shot, sign_in
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
@@ -114,7 +114,7 @@ def browser():
         chromium.close()
 
 
-@pytest.mark.parametrize("backend_name", [BROWSER_BACKEND])  # the page: once (test_browser.py)
+@pytest.mark.parametrize("backend_name", BACKENDS)
 def test_the_rollback_button_on_the_alias_page(browser, backend_name, tmp_path):
     from playwright.sync_api import expect
 
