@@ -104,11 +104,6 @@ def approved_versions(model: Model, alias: str) -> set[int]:
     return ids
 
 
-def plan_shares(plan: RolloutPlan, arms: Iterable[Arm] | None = None) -> dict[int, float]:
-    """A plan's shares as the gateways route it, or as ``arms`` would route it."""
-    return shares_of(list(arms) if arms is not None else STRATEGIES[plan.mode].arms(plan))
-
-
 def canary_arms(plan: RolloutPlan, weight: float) -> list[Arm]:
     return start_arms(PlanMode.CANARY, plan.baseline_id, plan.candidate_id, weight, [])
 
@@ -117,7 +112,7 @@ def routing_now(model: Model, alias: str) -> Routing:
     """What answers ``alias`` now: its active plan's split, else the version it points at."""
     plan = active_plan(model, alias)
     if plan is not None:
-        shares = plan_shares(plan)
+        shares = shares_of(STRATEGIES[plan.mode].arms(plan))
     else:
         current = model.aliases.filter(name=alias).values_list("version_id", flat=True).first()
         shares = {current: 100.0} if current is not None else {}
