@@ -176,9 +176,12 @@ def _logged_since(proc: Proc, offset: int, first: str, then: str) -> bool:
     return start >= 0 and text.find(then.encode(), start) >= 0
 
 
-def run_drill(backend: Backend, say: Callable[[str], None] = lambda _: None) -> list[Row]:
+def run_drill(
+    backend: Backend, say: Callable[[str], None] = lambda _: None, steady_s: float = STEADY_S
+) -> list[Row]:
     """Start the platform under supervision with a spare agent (a second replica outside it),
-    load it, SIGKILL the agent, the worker and beat in turn, and measure each recovery."""
+    load it, SIGKILL the agent, the worker and beat in turn, and measure each recovery (and
+    ``steady_s`` of load after each)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     key = create_tenant(backend, "drill")
@@ -195,9 +198,9 @@ def run_drill(backend: Backend, say: Callable[[str], None] = lambda _: None) -> 
         wait_until(lambda: len(_live_sessions(backend)) == 2, 90, supervised.proc, interval=0.5)
         say("platform up under supervisord, model ready on both agents")
         load.start()
-        time.sleep(STEADY_S)
+        time.sleep(steady_s)
         web = supervised.info("web")
-        rows = [_kill_and_recover(backend, supervised, load, name) for name in KILLED]
+        rows = [_kill_and_recover(backend, supervised, load, name, steady_s) for name in KILLED]
         for row in rows:
             say(f"{row.broken}: recovered in {row.recover_s:.1f} s")
         web_after = supervised.info("web")
@@ -224,7 +227,9 @@ def _serve_model(url: str, key: str) -> None:
         assert moved.status_code == 200, moved.text
 
 
-def _kill_and_recover(backend: Backend, supervised: Supervised, load: Load, name: str) -> Row:
+def _kill_and_recover(
+    backend: Backend, supervised: Supervised, load: Load, name: str, steady_s: float
+) -> Row:
     """SIGKILL one program's process; recovered once supervisord runs a new one and it does its
     job again: the agent serves the model again (a new session with it ready), the worker
     runs a task beat sent, beat sends a due task."""
@@ -248,7 +253,7 @@ def _kill_and_recover(backend: Backend, supervised: Supervised, load: Load, name
     }[name]
     wait_until(does_its_job, 90, supervised.proc, interval=0.2)
     recovered_at = time.monotonic()
-    time.sleep(STEADY_S)
+    time.sleep(steady_s)
     during = load.between(killed_at, recovered_at)
     after = load.between(recovered_at, time.monotonic())
     after_pids = {p: supervised.info(p)["pid"] for p in PROGRAMS}
