@@ -415,7 +415,7 @@ def evaluate_ab(plan: RolloutPlan, now: datetime) -> Verdict:
     """Judge an A/B plan: every arm against the reference arm on the guardrails (an arm that
     breaches one is dropped to weight 0, audited), then the winner on online quality (or the
     error rate) once significant, or "no difference" at the sample cap. The plan keeps running:
-    promoting the winner stays a person's (approved) decision."""
+    a winning candidate is promoted once an approver approves it (promote_ab_winner)."""
     arms = list(plan.arms.all())
     if not arms:
         return Verdict("hold", "an A/B plan without arms")
@@ -440,7 +440,7 @@ def evaluate_ab(plan: RolloutPlan, now: datetime) -> Verdict:
     active = [a for a in arms if a.weight > 0]
     need = int(plan.guardrails["min_samples"])
     if plan.ab_result is not None:
-        verdict = Verdict("hold", plan.ab_result.get("reason", "decided"))
+        verdict = promote_ab_winner(plan, arms)
     elif any(stats[a.name].requests < need for a in active):
         shown = ", ".join(f"{a.name} {stats[a.name].requests}/{need}" for a in active)
         elapsed = (now - plan.step_started_at).total_seconds()
@@ -456,6 +456,19 @@ def evaluate_ab(plan: RolloutPlan, now: datetime) -> Verdict:
     if verdict.action != "decide":
         RolloutPlan.objects.filter(pk=plan.pk).update(status_note=short(verdict.reason))
     return verdict
+
+
+def promote_ab_winner(plan: RolloutPlan, arms: list[PlanArm]) -> Verdict:
+    """A decided A/B plan whose winner is the candidate's arm goes the way a healthy canary at
+    its last step does: the guardrails ask for the promotion once and carry it out when an
+    approver has approved it (an approval given before the result counts too). Any other
+    result (the baseline won, no difference) holds until a person ends the plan."""
+    result = plan.ab_result or {}
+    won = next((a for a in arms if a.name == result.get("winner")), None)
+    if won is None or won.version_id != plan.candidate_id:
+        return Verdict("hold", result.get("reason", "decided"))
+    promoted, note = promote_when_approved(plan, f"A/B {result.get('reason', 'decided')}")
+    return Verdict("promote" if promoted else "hold", note)
 
 
 def decide_ab(

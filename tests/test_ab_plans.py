@@ -22,14 +22,16 @@ from monitoring.models import TrafficSample
 from monitoring.traffic import Counts, save_samples, timeseries
 from platform_site.asgi import application
 from rollouts.actions import Actor, start_plan
+from rollouts.approvals import approve
 from rollouts.arms import plan_arm_metrics
 from rollouts.guardrails import evaluate
-from rollouts.models import PlanArm, PlanState, RolloutPolicy
+from rollouts.models import ApprovalRequest, PlanArm, PlanState, RequestKind, RolloutPolicy
 from rollouts.routing import active_split
 from rollouts.tasks import evaluate_rollouts
-from tenants.models import AuditEvent
+from tenants.audit import user_actor
+from tenants.models import AuditEvent, Role
 from tests import test_fallback_ladder as ladder
-from tests.factories import make_model, make_version
+from tests.factories import make_member, make_model, make_version
 from tests.onnx_models import small_onnx
 from tests.test_fallback_ladder import V1, V2, Agent
 from tests.test_guardrails import log_labelled
@@ -170,9 +172,13 @@ def test_a_significantly_better_arm_is_declared_the_winner_once(world, model):
     assert plan.status_note.startswith("winner: arm b, error rate 1.95 % vs a 5.90 %")
     event = AuditEvent.objects.get(action="plan.ab_winner")
     assert event.actor_label == "guardrails" and event.after["ab_result"]["winner"] == "b"
-    assert evaluate(plan).action == "hold"  # decided once
+    # Decided once; the candidate's arm won, so the guardrails would ask for its promotion, but
+    # the errors spent the error budget: releases are frozen, and the note says so.
+    assert evaluate(plan).action == "hold" and evaluate(plan).action == "hold"
     assert AuditEvent.objects.filter(action="plan.ab_winner").count() == 1
-    assert plan.state == PlanState.RUNNING  # promotion stays a person's decision
+    plan.refresh_from_db()
+    assert plan.state == PlanState.RUNNING  # promotion stays an approver's decision
+    assert "error budget" in plan.status_note, plan.status_note
     # Shown in the API (to its tenant only) and on the rollout page.
     api = APIClient()
     api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.key_a}")
@@ -267,3 +273,41 @@ def test_a_shadow_copy_leaves_the_versions_traffic_samples_untouched(world, mode
     assert not TrafficSample.objects.filter(version_id=world.v2.pk).exists()
     baseline = TrafficSample.objects.get(version_id=world.v1.pk)
     assert baseline.requests == 10 and baseline.plan_id == plan.pk and baseline.arm == "baseline"
+
+
+def test_an_approved_promotion_of_the_winning_candidate_lands(world, model):
+    """An A/B plan's winner, once approved, is carried out by the guardrails as a canary's
+    promotion is: production points at the candidate and the plan ends promoted."""
+    plan = ab_plan(model, [("a", world.v1, 50), ("b", world.v2, 50)])
+    arm_sample(plan, "a", world.v1.pk, 300, 0)
+    arm_sample(plan, "b", world.v2.pk, 300, 0)
+    log_labelled(plan, world.v1.pk, 150, correct=90)
+    log_labelled(plan, world.v2.pk, 150, correct=140)
+    assert evaluate(plan).action == "decide"
+    plan.refresh_from_db()
+    assert evaluate(plan).action == "hold"  # asks for the promotion, once
+    assert evaluate(plan).action == "hold"
+    asked = ApprovalRequest.objects.get(plan=plan, kind=RequestKind.PROMOTION)
+    assert (asked.state, asked.requested_label) == ("pending", "guardrails")
+    approver = make_member(world.a, "appr-a", "approver")
+    approve(asked, user_actor(approver, Role.APPROVER), "b wins")
+    plan.refresh_from_db()
+    assert evaluate(plan).action == "promote"
+    plan.refresh_from_db()
+    assert plan.state == PlanState.PROMOTED
+    assert model.aliases.get(name="production").version_id == world.v2.pk
+    asked.refresh_from_db()
+    assert asked.state == "applied"
+    assert AuditEvent.objects.filter(action="plan.promote", actor_label="guardrails").exists()
+
+
+def test_when_the_baseline_wins_nothing_is_asked(world, model):
+    plan = ab_plan(model, [("a", world.v1, 50), ("b", world.v2, 50)])
+    arm_sample(plan, "a", world.v1.pk, 300, 0)
+    arm_sample(plan, "b", world.v2.pk, 300, 0)
+    log_labelled(plan, world.v1.pk, 150, correct=140)
+    log_labelled(plan, world.v2.pk, 150, correct=90)
+    assert evaluate(plan).action == "decide"
+    plan.refresh_from_db()
+    assert evaluate(plan).action == "hold"
+    assert not ApprovalRequest.objects.filter(plan=plan, kind=RequestKind.PROMOTION).exists()
