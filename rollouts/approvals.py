@@ -371,9 +371,11 @@ def _carry_out(req: ApprovalRequest, plan: RolloutPlan | None, actor: Actor, com
     return RequestState.APPROVED
 
 
-def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
-    """The guardrails found the last step healthy: promote if approved, else ask (once).
-    Returns (promoted, what happened)."""
+def promote_when_approved(
+    plan: RolloutPlan, reason: str, ready: str = "healthy at the last step"
+) -> tuple[bool, str]:
+    """The guardrails found the plan ready to promote (``ready`` says why, on the plan's note):
+    promote if approved, else ask (once). Returns (promoted, what happened)."""
     with transaction.atomic():
         locked = RolloutPlan.objects.select_for_update().get(pk=plan.pk)
         if locked.state != PlanState.RUNNING:
@@ -398,7 +400,7 @@ def promote_when_approved(plan: RolloutPlan, reason: str) -> tuple[bool, str]:
             req = request_promotion(
                 locked.model, None, GUARDRAILS, alias=locked.alias, comment=reason, plan=locked
             )
-        note = f"healthy at the last step: waiting for approval (request #{req.pk})"
+        note = f"{ready}: waiting for approval (request #{req.pk})"
         RolloutPlan.objects.filter(pk=locked.pk).update(status_note=note)
         return False, note
 

@@ -467,7 +467,8 @@ def promote_ab_winner(plan: RolloutPlan, arms: list[PlanArm]) -> Verdict:
     won = next((a for a in arms if a.name == result.get("winner")), None)
     if won is None or won.version_id != plan.candidate_id:
         return Verdict("hold", result.get("reason", "decided"))
-    promoted, note = promote_when_approved(plan, f"A/B {result.get('reason', 'decided')}")
+    reason = f"A/B {result.get('reason', 'decided')}"
+    promoted, note = promote_when_approved(plan, reason, ready=f"arm {won.name} won")
     return Verdict("promote" if promoted else "hold", note)
 
 

@@ -289,6 +289,8 @@ def test_an_approved_promotion_of_the_winning_candidate_lands(world, model):
     assert evaluate(plan).action == "hold"
     asked = ApprovalRequest.objects.get(plan=plan, kind=RequestKind.PROMOTION)
     assert (asked.state, asked.requested_label) == ("pending", "guardrails")
+    plan.refresh_from_db()
+    assert plan.status_note == f"arm b won: waiting for approval (request #{asked.pk})"
     approver = make_member(world.a, "appr-a", "approver")
     approve(asked, user_actor(approver, Role.APPROVER), "b wins")
     plan.refresh_from_db()
