@@ -5,6 +5,7 @@ Celery, each on a backend: the embedded default (SQLite, no Redis) or PostgreSQL
 from __future__ import annotations
 
 import atexit
+import fcntl
 import itertools
 import json
 import os
@@ -23,15 +24,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-# Each backend flushes the Redis database it takes: pytest-xdist workers take from their own
-# ranges (tests/workers.py keeps 14 and 15 for the unit tests' workers).
+# Each backend flushes the Redis database it takes and its Celery worker consumes that database's
+# queue, so no two live backends may share one, even from two pytest runs on one Redis server
+# (another CI job, another session's tests): with numbers from fixed ranges, one run flushed the
+# other's database and its idle worker took the tasks the other's busy worker queued (a batch
+# job's next chunk, every time). A backend holds its number with a lock file, which the kernel
+# drops when the process ends; numbers 1-12 (0 is a platform's beside the tests, `make up`, and
+# the unit tests' workers count down from 15, tests/workers.py).
+REDIS_DBS = range(1, 13)
 _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-_redis_db = itertools.cycle(range(1 + 6 * (_worker % 2), 7 + 6 * (_worker % 2)))
+_redis_turn = itertools.count(6 * _worker)
 
 
 def services_available() -> bool:
@@ -315,13 +323,39 @@ def services_backend(tmp: Path, seed: Seed = NO_SEED) -> Backend:
     template = _postgres_template(seed)
     name = _create_database(template.ref)
     redis_base = os.environ["REDIS_URL"].rsplit("/", 1)[0]
-    redis_url = f"{redis_base}/{next(_redis_db)}"
+    db, lock = _hold_redis_db(redis_base)
+    redis_url = f"{redis_base}/{db}"
     redis.Redis.from_url(redis_url).flushdb()
     env = _base_env(tmp)
     env.update(DATABASE_URL=_database_url(name), REDIS_URL=redis_url)
     backend = Backend("services", env, tmp)
     backend.cleanup.append(lambda: _drop_database(name))
+    backend.cleanup.append(lambda: os.close(lock))  # first (cleanup runs backwards)
     return _from_template(backend, template)
+
+
+def _hold_redis_db(base_url: str, timeout: float = 300) -> tuple[int, int]:
+    """A Redis database number (REDIS_DBS) that no other backend on this machine holds, and
+    the file descriptor of its lock: closing it gives the number back."""
+    server = urlsplit(base_url)
+    locks = Path(tempfile.gettempdir()) / "switchyard-e2e-redis"
+    locks.mkdir(exist_ok=True)
+    first = next(_redis_turn)
+    deadline = time.monotonic() + timeout
+    while True:
+        for i in range(len(REDIS_DBS)):
+            db = REDIS_DBS[(first + i) % len(REDIS_DBS)]
+            path = locks / f"{server.hostname}-{server.port or 6379}-{db}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by children
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return db, fd
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"other backends hold every Redis database {REDIS_DBS}")
+        time.sleep(0.5)
 
 
 def free_port() -> int:
