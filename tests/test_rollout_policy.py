@@ -21,6 +21,7 @@ from tenants.keys import create_api_key
 from tenants.models import AuditEvent, Role
 from tests.factories import as_user, key_client, make_member, make_model, make_version
 from tests.onnx_models import small_onnx
+from web.snapshots import plan_snapshot
 
 pytestmark = pytest.mark.backends
 
@@ -106,6 +107,9 @@ def test_ab_arms_on_unreviewed_versions_are_summed_by_the_traffic_gate(team):
     assert body["kind"] == "arms" and body["state"] == "pending"
     assert body["arm_weights"] == {a["name"]: a["weight"] for a in arms}
     assert "60 %" in body["comment"] and "10 %" in body["comment"], body["comment"]
+    # The rollout page lists it with the arms' weights it asks for (not as a promotion).
+    (listed,) = plan_snapshot(RolloutPlan.objects.get(pk=body["plan"]))["requests"]
+    assert (listed["kind"], listed["arm_weights"]) == ("arms", body["arm_weights"])
     # Started held: the unreviewed arms carry nothing until an approver says yes.
     split = active_split(team.a.pk, "clf", "production")
     assert answers_from(split) == {v1: 100.0}

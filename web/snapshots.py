@@ -184,6 +184,7 @@ def plan_snapshot(plan: RolloutPlan) -> dict[str, Any]:
                 "kind": r.kind,
                 "state": r.state,
                 "weight": r.weight,
+                "arm_weights": r.arm_weights,
                 "to_version": numbers.get(r.to_version_id),
                 "requested_by": r.requested_label,
                 "created_at": r.created_at.isoformat(),

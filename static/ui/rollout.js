@@ -145,14 +145,27 @@ function renderCharts(snapshot) {
   }
 }
 
+// What each kind of approval request asks for (rollouts.models.RequestKind).
+const REQUEST_KINDS = {
+  promotion: ["Promotion", (r) => `→ v${r.to_version}`],
+  weight: ["Weight change", (r) => `weight → ${Sy.fmt.weight(r.weight)}`],
+  arms: [
+    "A/B arm weights",
+    (r) =>
+      Object.entries(r.arm_weights || {})
+        .map(([arm, w]) => `${arm} → ${Sy.fmt.weight(w)}`)
+        .join(", "),
+  ],
+};
+
 function renderRequests(requests) {
   const rows = requests.map((r) =>
     Sy.el(
       "tr",
       { "data-request": String(r.id) },
       Sy.el("td", {}, Sy.el("a", { href: `/approvals/${r.id}/` }, `#${r.id}`)),
-      Sy.el("td", {}, r.kind === "weight" ? "Weight change" : "Promotion"),
-      Sy.el("td", {}, r.kind === "weight" ? `weight → ${Sy.fmt.weight(r.weight)}` : `→ v${r.to_version}`),
+      Sy.el("td", {}, (REQUEST_KINDS[r.kind] || [r.kind])[0]),
+      Sy.el("td", {}, REQUEST_KINDS[r.kind] ? REQUEST_KINDS[r.kind][1](r) : ""),
       Sy.el("td", {}, Sy.el("span", { class: `badge ${r.state}` }, REQUEST_STATES[r.state] || r.state)),
       Sy.el("td", {}, r.requested_by)
     )
