@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from datetime import timedelta
 
 import httpx
@@ -599,6 +600,8 @@ def test_the_jobs_pages_list_submit_show_progress_and_act(world, clf):
 
     page = engineer.get(f"/jobs/{job_id}/").content.decode()
     assert f'data-status-url="/jobs/{job_id}/status/"' in page and 'data-action="pause"' in page
+    # Only what a queued job allows: pause and cancel shown, resume hidden.
+    assert re.findall(r'data-when="[^"]*" (hidden)?', page) == ["", "hidden", ""]
     status = engineer.get(f"/jobs/{job_id}/status/").json()
     assert (status["state"], status["rows_total"], status["percent"]) == ("queued", 12, 0.0)
     assert engineer.get(f"/jobs/{job_id}/output/").status_code == 409
@@ -610,6 +613,8 @@ def test_the_jobs_pages_list_submit_show_progress_and_act(world, clf):
     _run(job_id, FrontDoor(clf))
     assert engineer.get(f"/jobs/{job_id}/status/").json()["percent"] == 100.0
     assert engineer.get(f"/jobs/{job_id}/output/").status_code == 200
+    done = engineer.get(f"/jobs/{job_id}/").content.decode()
+    assert re.findall(r'data-when="[^"]*" (hidden)?', done) == ["hidden"] * 3  # it has ended
 
     viewer = as_user(world.viewer_a)
     assert viewer.get(f"/jobs/{job_id}/").status_code == 200

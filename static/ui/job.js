@@ -31,6 +31,9 @@ async function refreshJob(box) {
   set("[data-eta]", s.eta_s === null ? "–" : `${s.eta_s} s`);
   set("[data-on-time]", verdict(s.on_time));
   box.querySelector("[data-output]").hidden = s.state !== "succeeded";
+  for (const form of box.querySelectorAll("[data-when]")) {
+    form.hidden = !form.dataset.when.split(" ").includes(s.state);
+  }
   return !ENDED.includes(s.state);
 }
 
