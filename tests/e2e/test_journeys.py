@@ -296,6 +296,8 @@ def test_an_ab_plan_is_judged_and_its_winner_applied_under_approval(journey, bro
     expect(legend).to_contain_text("b v2 · 0 %")
     asked_row = erin.locator("#requests tr", has=erin.locator(f'a[href="{approval}"]'))
     expect(asked_row).to_contain_text("Pending")
+    expect(asked_row).to_contain_text("A/B arm weights")
+    expect(asked_row).to_contain_text("b → 60 %")
 
     # abe approves the split from his inbox.
     abe = sign_in_at(browser, url, "abe", "/approvals/")
