@@ -275,16 +275,23 @@ def test_a_shadow_copy_leaves_the_versions_traffic_samples_untouched(world, mode
     assert baseline.requests == 10 and baseline.plan_id == plan.pk and baseline.arm == "baseline"
 
 
-def test_an_approved_promotion_of_the_winning_candidate_lands(world, model):
-    """An A/B plan's winner, once approved, is carried out by the guardrails as a canary's
-    promotion is: production points at the candidate and the plan ends promoted."""
+def decided_on_accuracy(world, model, correct_a: int, correct_b: int):
+    """An A/B plan (a: v1, b: v2, the candidate) whose winner the guardrails have declared on
+    online accuracy: no errors on either arm, ``correct_*`` of 150 labelled answers right."""
     plan = ab_plan(model, [("a", world.v1, 50), ("b", world.v2, 50)])
     arm_sample(plan, "a", world.v1.pk, 300, 0)
     arm_sample(plan, "b", world.v2.pk, 300, 0)
-    log_labelled(plan, world.v1.pk, 150, correct=90)
-    log_labelled(plan, world.v2.pk, 150, correct=140)
+    log_labelled(plan, world.v1.pk, 150, correct=correct_a)
+    log_labelled(plan, world.v2.pk, 150, correct=correct_b)
     assert evaluate(plan).action == "decide"
     plan.refresh_from_db()
+    return plan
+
+
+def test_an_approved_promotion_of_the_winning_candidate_lands(world, model):
+    """An A/B plan's winner, once approved, is carried out by the guardrails as a canary's
+    promotion is: production points at the candidate and the plan ends promoted."""
+    plan = decided_on_accuracy(world, model, correct_a=90, correct_b=140)
     assert evaluate(plan).action == "hold"  # asks for the promotion, once
     assert evaluate(plan).action == "hold"
     asked = ApprovalRequest.objects.get(plan=plan, kind=RequestKind.PROMOTION)
@@ -304,12 +311,6 @@ def test_an_approved_promotion_of_the_winning_candidate_lands(world, model):
 
 
 def test_when_the_baseline_wins_nothing_is_asked(world, model):
-    plan = ab_plan(model, [("a", world.v1, 50), ("b", world.v2, 50)])
-    arm_sample(plan, "a", world.v1.pk, 300, 0)
-    arm_sample(plan, "b", world.v2.pk, 300, 0)
-    log_labelled(plan, world.v1.pk, 150, correct=140)
-    log_labelled(plan, world.v2.pk, 150, correct=90)
-    assert evaluate(plan).action == "decide"
-    plan.refresh_from_db()
+    plan = decided_on_accuracy(world, model, correct_a=140, correct_b=90)
     assert evaluate(plan).action == "hold"
     assert not ApprovalRequest.objects.filter(plan=plan, kind=RequestKind.PROMOTION).exists()
