@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -24,7 +25,9 @@ from platform_site.errors import Forbidden
 from registry import services as registry_services
 from registry.models import Model
 from registry.services import set_alias
-from rollouts import approvals, gate
+from rollouts import approvals, gate, guardrails
+from rollouts.approvals import GUARDRAILS as GUARDRAILS_ACTOR
+from rollouts.arms import declare_ab_result
 from rollouts.models import RolloutPlan
 from rollouts.routing import BUCKETS, active_split
 from tenants.audit import user_actor
@@ -191,6 +194,18 @@ class GovernedProduction(RuleBasedStateMachine):
         plan = self.plan()
         if plan is not None and plan.mode == "canary" and plan.state == "running":
             approvals.advance_or_ask(plan, step, "healthy")
+
+    @rule(data=st.data())
+    def guardrails_declare_an_ab_winner(self, data: st.DataObject) -> None:
+        """The guardrails declared an A/B plan's winner (any arm) and look again: a winning
+        candidate is promoted once an approver approved its promotion (promote_ab_winner)."""
+        plan = self.plan()
+        if plan is None or plan.mode != "ab" or plan.state != "running":
+            return
+        winner = data.draw(st.sampled_from(sorted(a.name for a in plan.arms.all())))
+        declare_ab_result(plan, GUARDRAILS_ACTOR, winner, "error rate", "declared by the test")
+        plan.refresh_from_db()
+        guardrails.evaluate_ab(plan, timezone.now())
 
     # The approver's decisions -----------------------------------------------------------------
 
