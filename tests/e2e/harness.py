@@ -11,6 +11,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -57,19 +58,56 @@ class Backend:
     # Rows the backend's database was copied with (its template's seed): what create_tenant and
     # create_node hand out, once each, instead of running manage.py (Seed).
     seeded: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    _manage_proc: subprocess.Popen[str] | None = field(default=None, repr=False)
+    _manage_env: dict[str, str] = field(default_factory=dict, repr=False)
 
     def manage(self, *args: str, timeout: float = 120) -> str:
-        done = subprocess.run(
-            [PY, "manage.py", *args],
-            cwd=ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if done.returncode:
-            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-        return done.stdout
+        """``manage.py *args`` in the backend's Django process (manage_runner): its stdout."""
+        runner = self._runner()
+        assert runner.stdin is not None and runner.stdout is not None
+        runner.stdin.write(json.dumps(args) + "\n")
+        runner.stdin.flush()
+        ready, _, _ = select.select([runner.stdout], [], [], timeout)
+        line = runner.stdout.readline() if ready else ""
+        if not line:
+            self.stop_runner()
+            raise RuntimeError(f"manage.py {' '.join(args)} gave no answer within {timeout} s")
+        answer = json.loads(line)
+        if answer["rc"]:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{answer['stderr'][-3000:]}")
+        return str(answer["stdout"])
+
+    def _runner(self) -> subprocess.Popen[str]:
+        """The backend's Django process, new if the environment changed since it started (the
+        processes a test starts read what the test set; so must its commands)."""
+        if self._manage_proc is not None and (
+            self._manage_proc.poll() is not None or self._manage_env != self.env
+        ):
+            self.stop_runner()
+        if self._manage_proc is None:
+            self._manage_env = dict(self.env)
+            with open(self.var_dir / f"manage-{uuid.uuid4().hex[:6]}.log", "wb") as log:
+                self._manage_proc = subprocess.Popen(
+                    [PY, "-m", "tests.e2e.manage_runner"],
+                    cwd=ROOT,
+                    env=self.env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+        return self._manage_proc
+
+    def stop_runner(self) -> None:
+        proc, self._manage_proc = self._manage_proc, None
+        if proc is not None:
+            assert proc.stdin is not None
+            proc.stdin.close()  # it ends at the end of its input
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
     def shell(self, code: str) -> str:
         seeded = self.seeded.pop(("shell", code), None)
@@ -102,6 +140,7 @@ class Backend:
         return dict(json.loads(stats) if isinstance(stats, str) else stats)
 
     def close(self) -> None:
+        self.stop_runner()
         for step in reversed(self.cleanup):
             step()
 
@@ -256,6 +295,7 @@ def _embedded_template(seed: Seed) -> _Template:
         else:
             backend.manage("migrate", "--noinput", "-v0")
         seeded = _seed(backend, seed)
+        backend.stop_runner()
         _templates["embedded", seed] = _Template(
             str(template_dir / "switchyard.sqlite3"), template_dir, seeded
         )
@@ -311,7 +351,9 @@ def _postgres_template(seed: Seed) -> _Template:
             _from_template(backend, base)
         else:
             backend.manage("migrate", "--noinput", "-v0")
-        _templates["services", seed] = _Template(name, template_dir, _seed(backend, seed))
+        seeded = _seed(backend, seed)
+        backend.stop_runner()
+        _templates["services", seed] = _Template(name, template_dir, seeded)
     return _templates["services", seed]
 
 

@@ -17,7 +17,7 @@ from tests.onnx_models import small_onnx
 from .conftest import BACKENDS, platform_with_agent, upload_and_promote, wait_ready
 from .harness import ROOT, allow_weight, create_tenant, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

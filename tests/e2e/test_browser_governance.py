@@ -18,7 +18,7 @@ from .conftest import make_backend
 from .harness import create_tenant, free_port, start_server
 from .test_browser import CHROMIUM, CREATE_USERS, VIEWPORT, browser, shot, sign_in  # noqa: F401
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 # Long enough to push a table's other columns off a phone's screen unless names wrap.
 MODEL = "customer-lifetime-value-regressor-trained-on-the-2026-q3-snapshot-with-extra-features"

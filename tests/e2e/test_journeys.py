@@ -44,7 +44,7 @@ from .conftest import platform_with_agent, upload_and_promote, wait_ready
 from .harness import ROOT, allow_weight, create_tenant, wait_until
 from .test_browser import BODY, CREATE_USERS, VIEWPORT, browser, shot, sign_in  # noqa: F401
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 USERS = {"erin": "engineer", "abe": "approver", "nia": "engineer"}
 # Another tenant for the budget journey (d), so its hard stop refuses nobody else's requests:
