@@ -70,12 +70,13 @@ summary() {
 }
 trap summary EXIT
 
-# Beside the serial pass, in the idle scheduling class (chrt --idle: it gets only the CPU the
-# pass leaves, about half of the two cores), the in-process work that has no timing to keep: the
-# backends pass and, under `make ci`, the lint (TEST_BESIDE_SERIAL, a command). It is not free
-# (here a busy loop on one core slowed one on the other by ~25 %: the two vCPUs share a physical
-# core's resources), but the serial tests always ran beside the lint, and this is where the most
-# CPU lies unused. Its output follows the serial pass's, and its time and status are a stage's.
+# Beside the end-to-end passes, in the idle scheduling class (chrt --idle: it gets only the CPU
+# the tests leave), the work that has no timing to keep: under `make ci` the lint (TEST_BESIDE,
+# a command), from the start of the two-worker pass, which leaves ~18 % of the two cores unused;
+# and the backends pass beside the serial pass, which leaves about half. Idle-class work is not
+# free here (a busy loop on one core slowed one on the other by ~25 %: the two vCPUs share a
+# physical core's resources): beside the unit pass the lint made it 413 s instead of 310. Its
+# output follows the serial pass's, and its time and status are a stage's.
 # Applied to the subshell that runs it (the commands are this script's functions); what it
 # starts inherits the class.
 idle=(chrt --idle -p 0)
@@ -92,7 +93,7 @@ beside() {
     status=0
     "${idle[@]}" "$BASHPID" >/dev/null
     "$@" >"$log" 2>&1 || status=$?
-    printf '%6d s  %s (beside the serial pass, %s)\n' $((SECONDS - t0)) "$name" "${idle[*]}" >>"$log"
+    printf '%6d s  %s (beside, %s)\n' $((SECONDS - t0)) "$name" "${idle[*]}" >>"$log"
     exit "$status"
   ) &
   beside_pids+=($!)
@@ -106,7 +107,7 @@ serial_with_beside() {
     status=0
     wait "${beside_pids[$i]}" || status=$?
     log=${beside_logs[$i]}
-    echo "== ${beside_names[$i]} (beside the serial pass)"
+    echo "== ${beside_names[$i]} (beside)"
     head -n -1 "$log"
     times+=("$(tail -n 1 "$log")")
     echo "-- $(tail -n 1 "$log" | sed 's/^ *//')"
@@ -115,7 +116,7 @@ serial_with_beside() {
   done
 }
 lint_beside() {
-  if [ -n "${TEST_BESIDE_SERIAL:-}" ]; then beside "$TEST_BESIDE_SERIAL" bash -c "$TEST_BESIDE_SERIAL"; fi
+  if [ -n "${TEST_BESIDE:-}" ]; then beside "$TEST_BESIDE" bash -c "$TEST_BESIDE"; fi
 }
 
 if $PY scripts/services_up.py; then
@@ -124,20 +125,20 @@ if $PY scripts/services_up.py; then
   # End-to-end: real processes on the embedded default and on PostgreSQL + Redis. Two workers,
   # a module's tests on one (its platform is started once per module and backend); then the
   # timing-sensitive ones (marked serial) alone, but for the idle-class work beside them.
+  lint_beside
   stage "end-to-end tests on two workers" \
     pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile --durations=12 "${E2E[@]}" "$@"
   beside "where the backend matters, again on the embedded default (SQLite, in-process layers)" \
     embedded pytest -m "backends and not e2e" -n "$UNIT_WORKERS" "${BACKENDS[@]}" "$@"
-  lint_beside
   serial_with_beside "end-to-end tests marked serial" \
     pytest -m "e2e and serial" --durations=30 "${SERIAL[@]}" "$@"
 else
   echo "== PostgreSQL/Redis not reachable: everything on the embedded default"
   stage "unit and API tests: embedded" \
     embedded pytest -m "not e2e" -n "$UNIT_WORKERS" "${UNIT[@]}" "$@"
+  lint_beside
   stage "end-to-end tests on two workers: embedded" \
     embedded pytest -m "e2e and not serial" -n "$WORKERS" --dist loadfile "${E2E[@]}" "$@"
-  lint_beside
   serial_with_beside "end-to-end tests marked serial: embedded" \
     embedded pytest -m "e2e and serial" "${SERIAL[@]}" "$@"
 fi

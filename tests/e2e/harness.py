@@ -174,14 +174,15 @@ def _base_env(var_dir: Path) -> dict[str, str]:
 # A migrate takes seconds and dozens of backends are made per run: each kind of backend is
 # migrated once per test session, and every backend starts from a copy of that database. The
 # rows a test needs before it starts (its node, tenants, rollout policy, users) are made once too,
-# in a template of their own per seed and in one manage.py process (STYLE.md 22): each manage.py
-# costs ~2 s of start-up, and a platform used to take three to five of them before its first
-# request. A seed item stands for the harness call that would otherwise make its rows:
+# in a template of their own per seed (STYLE.md 22), so a platform's first request does not wait
+# for them; the harness calls that come later run in the backend's one Django process
+# (Backend.manage, manage_runner.py), which costs ~1.5 s to start once per backend instead of
+# once per call. A seed item stands for the harness call that would otherwise make its rows:
 #   ("node", name)                             create_node(backend, name)
 #   ("tenant", slug) or ("tenant", slug, rps, burst)   create_tenant(backend, slug, rps, burst)
 #   ("weight", slug, percent)                  allow_weight(backend, slug, percent)
 #   ("shell", code)                            backend.shell(code)
-# and that call then answers what the seed made (once) instead of running manage.py.
+# and that call then answers what the seed made (once) instead of running the command.
 Seed = tuple[tuple[Any, ...], ...]
 NO_SEED: Seed = ()
 # The `stack` fixture's node and tenants, and platform_with_agent's node.
