@@ -186,6 +186,14 @@ def test_markers_sit_on_runnable_blocks() -> None:
     assert not wasted, f"docs-test markers above blocks that never run: {wasted}"
 
 
+def test_no_runnable_block_pipes_into_head() -> None:
+    """`curl ... | head -3` fails under pipefail whenever curl is still writing when head exits
+    (SIGPIPE, curl's exit 23): README's /metrics example failed a CI run so. A
+    reader's `sed -n 1,3p` prints the same and reads to the end."""
+    piped = [b.id for b in all_blocks() if b.lang in RUN and re.search(r"\|\s*head\b", b.text)]
+    assert not piped, f"pipe into sed -n 1,Np instead of head: {piped}"
+
+
 # The platform ---------------------------------------------------------------------------------
 
 DEMO_MODELS = ["fraud-detector", "storyteller", "llama-storyteller", "minilm"]
