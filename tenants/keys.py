@@ -307,28 +307,33 @@ def record_key_use(last_used: dict[int, datetime]) -> None:
         ApiKey.objects.filter(pk=key_id).update(last_used_at=when)
 
 
-def grantable_scopes(role: str) -> frozenset[str]:
+def grantable_scopes(role: str, held: Iterable[str] | None = None) -> frozenset[str]:
     """The scopes a member of this role may give a key: none for a viewer, an engineer's own
     powers (predict, deploy), and ``admin`` (keys and tenant settings) only for approvers. No
-    one makes a key more powerful than themselves."""
+    one makes a key more powerful than themselves, and no key one more powerful than itself:
+    a caller that is an API key (``held``, its scopes) gives only scopes it holds, so a key
+    with only ``admin`` cannot mint one that predicts or deploys."""
     if role == Role.APPROVER:
-        return frozenset(SCOPES)
-    if role == Role.ENGINEER:
-        return frozenset({Scope.PREDICT, Scope.DEPLOY})
-    return frozenset()
+        allowed = frozenset(SCOPES)
+    elif role == Role.ENGINEER:
+        allowed = frozenset({Scope.PREDICT, Scope.DEPLOY})
+    else:
+        allowed = frozenset()
+    return allowed if held is None else allowed & frozenset(held)
 
 
-def check_grant(role: str, scopes: Iterable[str]) -> None:
-    """403 (``Forbidden``) unless a member of ``role`` may hold a key of these scopes: to
-    create one, or to revoke or rotate one (a rotation makes its successor theirs)."""
-    allowed = grantable_scopes(role)
-    if not allowed:
+def check_grant(role: str, scopes: Iterable[str], held: Iterable[str] | None = None) -> None:
+    """403 (``Forbidden``) unless a member of ``role`` (acting through a key of scopes ``held``,
+    if given) may hold a key of these scopes: to create one, or to revoke or rotate one (a
+    rotation makes its successor theirs). Every path that creates or widens a key asks here."""
+    if not grantable_scopes(role):
         raise errors.Forbidden("your role in this tenant does not allow managing API keys")
+    allowed = grantable_scopes(role, held)
     beyond = [s for s in scopes if s not in allowed]
     if beyond:
+        who = f"your role ({role})" if held is None else f"this key (scopes {sorted(held)})"
         raise errors.Forbidden(
-            f"your role ({role}) cannot give or manage the scope(s) {beyond}; "
-            f"it may give {sorted(allowed)}"
+            f"{who} cannot give or manage the scope(s) {beyond}; it may give {sorted(allowed)}"
         )
 
 

@@ -258,12 +258,69 @@ def test_an_approver_makes_an_admin_key_which_manages_keys_but_cannot_deploy(wor
     assert made.status_code == 201
     admin = key_client(made.json()["key"])
     assert admin.get("/api/v1/keys").status_code == 200
-    child = admin.post("/api/v1/keys", {"name": "child", "scopes": ["predict"]}, format="json")
+    child = admin.post("/api/v1/keys", {"name": "child", "scopes": ["admin"]}, format="json")
     assert child.status_code == 201 and child.json()["created_by"] == "appr"
+    # It gives only what it holds: no key that predicts or deploys (the escalation of a key).
+    wider = admin.post("/api/v1/keys", {"name": "app", "scopes": ["predict"]}, format="json")
+    assert wider.status_code == 403 and "this key" in wider.json()["error"]
     assert upload(admin, small_onnx(seed=5)).status_code == 403  # no deploy scope
     # A key without the admin scope cannot manage keys.
     refused = key_client(world.key_a).get("/api/v1/keys")
     assert refused.status_code == 403 and "'admin' scope" in refused.json()["error"]
+
+
+# Who may give which scopes, written out (not derived from tenants.keys): a person by role, a
+# key by role and by the scopes it holds itself.
+MAY_GIVE = {
+    "engineer": {"predict", "deploy"},
+    "approver": {"predict", "deploy", "admin"},
+    "approver's admin key": {"admin"},
+    "approver's admin+predict key": {"admin", "predict"},
+    "approver's admin+deploy key": {"admin", "deploy"},
+}
+
+
+@pytest.mark.django_db
+def test_every_path_that_makes_a_key_gives_only_what_the_caller_holds(world):
+    """Every path that creates a key or makes one anew (the API's create and rotate, the keys
+    page's create and rotate), for every kind of caller and scope: given when the caller may
+    hold it, else 403 and no key made."""
+    approver = make_member(world.a, "appr", "approver")
+    people = {"engineer": world.engineer_a, "approver": approver}
+    keys = {
+        name: make_key(world.a, name, scopes=tuple(MAY_GIVE[name]), creator=approver)[1]
+        for name in MAY_GIVE
+        if name not in people
+    }
+
+    def attempt(caller: str, scope: str, path: str):
+        if path.startswith("api"):
+            client = session(people[caller]) if caller in people else key_client(keys[caller])
+        else:
+            client = Client()
+            client.force_login(people[caller])
+        if path == "api create":
+            return client.post("/api/v1/keys", {"name": "new", "scopes": [scope]}, format="json")
+        if path == "page create":
+            return client.post("/keys/create/", {"name": "new", "scopes": [scope]})
+        # A key of its own to rotate (a rotated key cannot be rotated again).
+        target, _ = make_key(world.a, "to rotate", scopes=(scope,), creator=approver)
+        if path.startswith("api"):
+            return client.post(f"/api/v1/keys/{target.pk}/rotate", {}, format="json")
+        return client.post(f"/keys/{target.pk}/rotate/", {"overlap_h": "1"})
+
+    for caller, may in MAY_GIVE.items():
+        paths = ["api create", "api rotate"]
+        if caller in people:  # the keys page is for people signed in
+            paths += ["page create", "page rotate"]
+        for scope in ("predict", "deploy", "admin"):
+            for path in paths:
+                before = ApiKey.objects.count() + path.endswith("rotate")  # its own target
+                response = attempt(caller, scope, path)
+                expected = 201 if scope in may else 403
+                assert response.status_code == expected, (caller, scope, path)
+                made = ApiKey.objects.count() - before
+                assert made == (expected == 201), (caller, scope, path)
 
 
 @pytest.mark.django_db

@@ -110,11 +110,12 @@ class KeyListView(APIView):
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer})
     def post(self, request: CallerRequest) -> Response:
         """Create a key acting as you; its raw value is in this response only. No one gives a
-        key more power than they have: engineers predict and deploy, approvers also admin."""
+        key more power than they have: engineers predict and deploy, approvers also admin, and
+        a key only the scopes it holds itself."""
         body = ApiKeyCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        check_grant(request.caller.role, data["scopes"])
+        check_grant(request.caller.role, data["scopes"], request.caller.scopes)
         tenant = Tenant.objects.get(pk=request.caller.tenant_id)
         key, raw = create_api_key(
             tenant,
@@ -132,7 +133,7 @@ class KeyRevokeView(APIView):
     @extend_schema(request=None, responses=ApiKeySerializer)
     def post(self, request: CallerRequest, key_id: int) -> Response:
         key = key_for(request.caller.tenant_id, key_id)
-        check_grant(request.caller.role, key.scopes)
+        check_grant(request.caller.role, key.scopes, request.caller.scopes)
         return Response(ApiKeySerializer(revoke_api_key(key, actor_of(request))).data)
 
 
@@ -148,7 +149,7 @@ class KeyRotateView(APIView):
         """A new key with the same name, scopes and limits (its raw value in this response
         only); the old one keeps working for ``overlap_s`` seconds."""
         key = key_for(request.caller.tenant_id, key_id)
-        check_grant(request.caller.role, key.scopes)
+        check_grant(request.caller.role, key.scopes, request.caller.scopes)
         body = RotateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
