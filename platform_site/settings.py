@@ -258,8 +258,13 @@ CELERY_BEAT_SCHEDULE = {
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 # Login throttling (django-axes, on the web UI's and the admin's sign-in): after
-# SWITCHYARD_LOGIN_FAILURES failed attempts for one username from one address, that pair is
-# locked out for SWITCHYARD_LOGIN_LOCKOUT_MINUTES (429), and the lockout is audited.
+# SWITCHYARD_LOGIN_FAILURES failed attempts for one username, from any address, that username is
+# locked out for SWITCHYARD_LOGIN_LOCKOUT_MINUTES (429), and the lockout is audited. Keyed on the
+# username, not on the address: the address is what the server was told, and a client that sends
+# a new X-Forwarded-For on each attempt (through a proxy the server trusts) would never be locked.
+# The price: anyone can lock a username out for the cool-off; `manage.py axes_reset_username`
+# lifts it. The server believes X-Forwarded-For only from the proxies it is given
+# (uvicorn's --forwarded-allow-ips; never "*" in deploy/ or the Helm chart).
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -303,7 +308,11 @@ if SSO_ENABLED:
     AUTHENTICATION_BACKENDS.append("tenants.sso.SwitchyardOIDCBackend")
 AXES_FAILURE_LIMIT = env_int("SWITCHYARD_LOGIN_FAILURES", 5)
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("SWITCHYARD_LOGIN_LOCKOUT_MINUTES", 15))
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_LOCKOUT_PARAMETERS = ["username"]
+# axes.W006 asks for the address among the lockout keys. Not here: an address lock is what a
+# forged X-Forwarded-For dodges, and behind an ingress that is not named a trusted proxy every
+# client has the ingress's address, so five wrong passwords from anyone would lock out everyone.
+SILENCED_SYSTEM_CHECKS = ["axes.W006"]
 AXES_RESET_ON_SUCCESS = True
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -42,7 +42,6 @@ def audit_lockout(username: str, ip_address: str | None) -> int:
             AuditEvent.objects.filter(
                 action="login.lockout",
                 target=target,
-                after__ip_address=ip_address,
                 created_at__gte=timezone.now() - settings.AXES_COOLOFF_TIME,
             ).values_list("tenant_id", flat=True)
         )

@@ -459,3 +459,12 @@ def test_processes_without_http_have_heartbeat_probes(name, tmp_path):
     os.utime(heartbeat, (stale, stale))
     assert _run_probe(probes["livenessProbe"], heartbeat) == 1
     assert _run_probe(probes["readinessProbe"], heartbeat) == 1
+
+
+def test_the_web_server_believes_forwarded_addresses_only_from_named_proxies():
+    """Never ``--forwarded-allow-ips "*"``: any client could then name its own address."""
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")) + [ROOT / "deploy" / "supervisord.conf"]:
+        text = path.read_text()
+        if "--forwarded-allow-ips" in text:
+            after = text.split("--forwarded-allow-ips", 1)[1].lstrip().lstrip("-").strip()
+            assert not after.startswith(('"*"', "'*'", "*", "=*")), path

@@ -171,3 +171,24 @@ def test_replicas_resources_and_tags(rendered: dict[str, list[dict[str, Any]]]) 
     assert _get(docs, "Job", "-migrate")["spec"]["template"]["spec"]["containers"][0][
         "image"
     ].endswith(":9.9.9")
+
+
+def test_the_web_pods_believe_forwarded_addresses_only_from_the_proxies_named() -> None:
+    """uvicorn rewrites the client address from X-Forwarded-For only for the proxies given:
+    the chart names them (web.trustedProxies) and refuses "*", under which any client could
+    name its own address (and so dodge a lockout kept per address)."""
+
+    def allowed(docs: list[dict[str, Any]]) -> str:
+        command = _get(docs, "Deployment", "-web")["spec"]["template"]["spec"]["containers"][0]
+        args = command["command"]
+        return str(args[args.index("--forwarded-allow-ips") + 1])
+
+    assert allowed(_render([])) == "127.0.0.1"
+    assert allowed(_render(["--set", "web.trustedProxies=10.42.0.0/16"])) == "10.42.0.0/16"
+    refused = subprocess.run(
+        [str(HELM), "template", "rel", str(CHART), "--set", "web.trustedProxies=*"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "not *" in refused.stderr
