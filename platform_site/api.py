@@ -12,6 +12,12 @@ from drf_spectacular.utils import OpenApiResponse, inline_serializer
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 
+# The largest whole number a client may send in a body or a query string (PostgreSQL's
+# `integer`): a larger one reached the database and came back a 500 (an offset of 2**63 on the
+# prediction list). tests/test_api_bounds.py holds every integer the schema documents to a
+# maximum.
+MAX_INT = 2**31 - 1
+
 
 def validated(serializer_class: type[serializers.Serializer[Any]], data: Any) -> dict[str, Any]:
     """The body or query parameters checked by ``serializer_class``; a 400 naming each bad

@@ -7,6 +7,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from platform_site.api import MAX_INT
+
 from ..deployments import IDENTITY, READ_ONLY, SETTINGS, replica_counts
 from ..models import Deployment, Pool, ScalingDecision
 
@@ -70,7 +72,9 @@ class DeploymentInputSerializer(serializers.ModelSerializer[Deployment]):
     """A deployment to create (model, version and pool required) or the settings to change."""
 
     model = serializers.CharField(max_length=100, help_text="the model's name")
-    version = serializers.IntegerField(min_value=1, help_text="the version number")
+    version = serializers.IntegerField(
+        max_value=MAX_INT, min_value=1, help_text="the version number"
+    )
     pool = serializers.CharField(max_length=63, help_text="the pool's name (GET /pools)")
 
     class Meta:

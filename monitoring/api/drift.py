@@ -13,7 +13,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from platform_site.api import validated
+from platform_site.api import MAX_INT, validated
 from platform_site.parsers import JSONBodyParser
 from registry.access import model_for, version_for
 from registry.api.serializers import ReferenceUploadSerializer
@@ -100,7 +100,7 @@ class DriftReportSerializer(serializers.ModelSerializer[DriftReport]):
 
 
 class DriftFilter(serializers.Serializer[Any]):
-    version = serializers.IntegerField(min_value=1, required=False)
+    version = serializers.IntegerField(max_value=MAX_INT, min_value=1, required=False)
     limit = serializers.IntegerField(min_value=1, max_value=500, default=50)
 
 

@@ -13,6 +13,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import MAX_INT
 from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.models import Model
@@ -117,11 +118,11 @@ class FeedbackView(APIView):
 
 
 class PredictionFilter(serializers.Serializer[Any]):
-    version = serializers.IntegerField(required=False, min_value=1)
+    version = serializers.IntegerField(max_value=MAX_INT, required=False, min_value=1)
     status = serializers.IntegerField(required=False, min_value=100, max_value=599)
     request_id = serializers.CharField(required=False, max_length=128)
     limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
-    offset = serializers.IntegerField(required=False, min_value=0, default=0)
+    offset = serializers.IntegerField(max_value=MAX_INT, required=False, min_value=0, default=0)
 
 
 class PredictionLogSerializer(serializers.ModelSerializer[PredictionLog]):

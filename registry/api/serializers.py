@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from platform_site.api import JSONTextField
+from platform_site.api import MAX_INT, JSONTextField
 
 from ..formats import DEFAULT_FORMAT, format_choices
 from ..models import Alias, AliasChange, Model, ModelVersion
@@ -186,7 +186,7 @@ class VersionUploadSerializer(ServingSettingsSerializer):
     source_commit = serializers.CharField(max_length=64, required=False, allow_blank=True)
     training_data_hash = serializers.CharField(max_length=128, required=False, allow_blank=True)
     # DRF moves declared fields off the class; the stubs see them shadow Field.parent.
-    parent = serializers.IntegerField(min_value=1, required=False)  # type: ignore[assignment]
+    parent = serializers.IntegerField(max_value=MAX_INT, min_value=1, required=False)  # type: ignore[assignment]
     personal_fields = JSONTextField(required=False, help_text=PERSONAL_FIELDS_HELP)
     reference = ReferenceField(
         required=False, help_text="a drift reference sample: JSON rows or columns, or CSV"
@@ -210,7 +210,7 @@ class VersionUploadSerializer(ServingSettingsSerializer):
 
 class AliasSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(read_only=True)
-    version = serializers.IntegerField(min_value=1)
+    version = serializers.IntegerField(max_value=MAX_INT, min_value=1)
     comment = serializers.CharField(
         write_only=True, required=False, allow_blank=True, default="", help_text="why (audited)"
     )
@@ -228,7 +228,9 @@ class ModelUpdateSerializer(serializers.ModelSerializer[Model]):
     """A model's description, monitoring settings and fallback ladder; its name and task are
     fixed. ``fallback_version`` is a version number of this model (null: none)."""
 
-    fallback_version = serializers.IntegerField(min_value=1, allow_null=True, required=False)
+    fallback_version = serializers.IntegerField(
+        max_value=MAX_INT, min_value=1, allow_null=True, required=False
+    )
 
     class Meta:
         model = Model

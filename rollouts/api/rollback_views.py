@@ -10,7 +10,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from platform_site.api import validated
+from platform_site.api import MAX_INT, validated
 from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.api.serializers import AliasChangeSerializer
@@ -23,6 +23,7 @@ from .serializers import CommentSerializer
 class RollbackSerializer(serializers.Serializer[Any]):
     to_version = serializers.IntegerField(
         min_value=1,
+        max_value=MAX_INT,
         required=False,
         allow_null=True,
         default=None,

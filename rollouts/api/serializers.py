@@ -4,6 +4,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from platform_site.api import MAX_INT
+
 from ..approvals import evidence_of
 from ..models import (
     ApprovalRequest,
@@ -62,13 +64,13 @@ class PlanSerializer(serializers.ModelSerializer[RolloutPlan]):
 
 class ArmInput(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=50)
-    version = serializers.IntegerField(min_value=1)
+    version = serializers.IntegerField(max_value=MAX_INT, min_value=1)
     weight = serializers.FloatField(min_value=0, max_value=100)
 
 
 class PlanCreateSerializer(serializers.Serializer[Any]):
     mode = serializers.ChoiceField(choices=PlanMode.choices)
-    candidate = serializers.IntegerField(min_value=1, help_text="version number")
+    candidate = serializers.IntegerField(max_value=MAX_INT, min_value=1, help_text="version number")
     alias = serializers.CharField(max_length=50, default="production")
     weight = serializers.FloatField(min_value=0, max_value=100, default=0)
     steps = serializers.ListField(
@@ -81,7 +83,7 @@ class PlanCreateSerializer(serializers.Serializer[Any]):
         help_text="highest weight a person may set directly; above it needs an approval "
         "(capped by the rollout policy's max_weight_without_approval on a protected alias)",
     )
-    bake_seconds = serializers.IntegerField(min_value=0, required=False)
+    bake_seconds = serializers.IntegerField(max_value=MAX_INT, min_value=0, required=False)
     shadow_sample = serializers.FloatField(min_value=0, max_value=1, required=False)
     routing_header = serializers.CharField(max_length=100, required=False)
     guardrails = serializers.JSONField()
@@ -155,7 +157,7 @@ class ApprovalFilter(serializers.Serializer[Any]):
 
 
 class PromotionSerializer(serializers.Serializer[Any]):
-    version = serializers.IntegerField(min_value=1)
+    version = serializers.IntegerField(max_value=MAX_INT, min_value=1)
     alias = serializers.CharField(max_length=50, default="production")
     comment = serializers.CharField(required=False, allow_blank=True, default="")
 

@@ -4,6 +4,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from platform_site.api import MAX_INT
+
 from ..keys import DEFAULT_ROTATION_OVERLAP_S, MAX_ROTATION_OVERLAP_S
 from ..models import SCOPES, ApiKey, AuditEvent
 
@@ -27,7 +29,7 @@ class ExportFilter(AuditFilter):
     # A name other than DRF's ``format`` override would be clearer, but the URL is
     # ``?format=``: the export view answers it itself (see AuditExportView).
     format = serializers.ChoiceField(choices=["csv", "jsonl"], default="csv")
-    limit = serializers.IntegerField(min_value=1, required=False)
+    limit = serializers.IntegerField(max_value=MAX_INT, min_value=1, required=False)
 
 
 class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
