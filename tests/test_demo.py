@@ -1,6 +1,5 @@
 """The demo bootstrap: idempotent, and the autoscaled model is left to the control loop."""
 
-import pytest
 from django.core.management import call_command
 
 from fleet.assignments import assignment_for
@@ -8,7 +7,8 @@ from fleet.models import Deployment, Node
 from registry.models import Model
 from tests.factories import make_session
 
-pytestmark = pytest.mark.backends
+# Not marked `backends`: training does not depend on the database, and bootstrap_demo runs on the
+# embedded default in tests/e2e/test_docs_examples.py (as `make up` runs it).
 
 
 def test_bootstrap_demo_twice_sets_up_an_autoscaled_deployment(db, monkeypatch):
