@@ -11,6 +11,8 @@ entry here, one there, and their tests (``docs/runtimes.md``, "Adding a model fo
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +21,10 @@ from django.core.files.base import File
 
 from serving_agent.torch_archive import ArchiveError, read_archive
 
-from .hf_artifact import check_hf_archive
+from .hf_artifact import check_hf_archive, hf_weights
 from .signature import SignatureError, read_onnx_signature, read_onnx_signature_from_file
 from .uploads import contents, on_disk
+from .weights import Weights, non_finite, safetensors_weights, torch_weights
 
 # A version's inputs and outputs, as stored on ModelVersion: [{"name", "datatype", "shape"}].
 Signature = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -42,7 +45,9 @@ class Format:
     # really serves the version.
     platform: str
     # Refuses an artifact that is not of this format (SignatureError naming the problem) and
-    # reads its signature, without running anything from it.
+    # reads its signature, without running anything from it. It also refuses NaN or infinite
+    # weights: an iterator of registry.weights reads them, ``refuse_non_finite`` judges them
+    # (ONNX's check does both in registry.onnx_check.load_checked).
     check: Callable[[File[bytes]], Signature]
     extension: str  # of the stored artifact's name
     # Streams tokens (websocket, OpenAI API) instead of answering tensors.
@@ -73,12 +78,16 @@ def _check_textgen(upload: File[bytes]) -> Signature:
             read_config(data)  # reads the header, and only the size of the rest
     except ValueError as exc:
         raise SignatureError("artifact", f"not a valid text-generation artifact: {exc}") from None
+    upload.seek(0)
+    refuse_non_finite(safetensors_weights(upload))
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
 def _check_hf(upload: File[bytes]) -> Signature:
     upload.seek(0)
     check_hf_archive(on_disk(upload) or upload)
+    upload.seek(0)
+    refuse_non_finite(hf_weights(on_disk(upload) or upload))
     return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
 
 
@@ -93,7 +102,20 @@ def _check_torch(upload: File[bytes]) -> Signature:
             archive = read_archive(io.BytesIO(upload.read()))
     except ArchiveError as exc:
         raise SignatureError("artifact", f"not a valid torch.export archive: {exc}") from None
+    upload.seek(0)
+    refuse_non_finite(torch_weights(path or upload, archive.root))
     return archive.inputs, archive.outputs
+
+
+def refuse_non_finite(weights: Weights) -> None:
+    """Refuse an artifact with a NaN or infinite weight (``registry.weights``), naming it."""
+    try:
+        problem = non_finite(weights)
+    # A payload the format's check let through but that cannot be read to its end.
+    except (ValueError, KeyError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+        raise SignatureError("artifact", f"the weights cannot be read: {exc}") from None
+    if problem is not None:
+        raise SignatureError("artifact", problem)
 
 
 FORMATS: dict[str, Format] = {

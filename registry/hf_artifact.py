@@ -10,17 +10,29 @@ from typing import IO
 
 from django.conf import settings
 
-from serving_agent.hf_archive import Manifest, check_archive
+from serving_agent.hf_archive import Manifest, check_archive, weight_files
 
 from .signature import SignatureError
+from .weights import Tensor, Weights, safetensors_weights
+
+
+def _max_total() -> int:
+    # An archive may expand to a few times its compressed size, never unboundedly.
+    return 4 * settings.SWITCHYARD_MAX_ARTIFACT_BYTES
 
 
 def check_hf_archive(source: str | IO[bytes]) -> Manifest:
     """Check an uploaded archive (a path on disk, or a file object) without running anything
     from it: no pickle, no remote code, no path leaving the model directory, bounded sizes."""
-    # An archive may expand to a few times its compressed size, never unboundedly.
-    max_total = 4 * settings.SWITCHYARD_MAX_ARTIFACT_BYTES
     try:
-        return check_archive(source, max_total=max_total)
+        return check_archive(source, max_total=_max_total())
     except ValueError as exc:
         raise SignatureError("artifact", f"not a valid hf archive: {exc}") from None
+
+
+def hf_weights(source: str | IO[bytes]) -> Weights:
+    """The floating-point tensors of a checked archive's ``*.safetensors`` files, named
+    ``<file>:<tensor>``."""
+    for short, f in weight_files(source, max_total=_max_total()):
+        for tensor in safetensors_weights(f):
+            yield Tensor(f"{short}:{tensor.name}", tensor.size, tensor.pieces)

@@ -12,6 +12,7 @@ from django.contrib.auth.models import User
 from django.core.files.base import ContentFile, File
 from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
+from django.db.models.fields.files import FieldFile
 from django.utils import timezone
 
 from platform_site.errors import Forbidden, NotFound, TooLarge, Unavailable
@@ -178,12 +179,10 @@ def create_version(
             if stored_name is not None:
                 version.artifact.name = stored_name
             else:
-                # A file spooled to disk is moved, not copied through memory (Django's
-                # storage); S3 gets it in multipart chunks read from disk.
-                version.artifact.save(f"{sha256}.{fmt.extension}", upload, save=False)
+                store_once(version.artifact, upload)
             if tokenizer_file is not None:
                 version.tokenizer_sha256 = _sha256(tokenizer_file)
-                version.tokenizer.save("tokenizer.json", tokenizer_file, save=False)
+                store_once(version.tokenizer, tokenizer_file)
         except store_errors() as exc:
             raise Unavailable(f"the artifact store did not take the file: {exc}") from None
         version.full_clean(exclude=["artifact"])
@@ -203,6 +202,27 @@ def create_version(
         }
         audit(model.tenant_id, actor, "version.create", str(version), after=after)
     return version
+
+
+def store_once(field: FieldFile, upload: File[bytes]) -> None:
+    """Store ``upload`` as the file of ``field`` (a version's artifact or tokenizer), unless the
+    tenant already stored the same bytes: then the version names that file.
+
+    Stored names are content hashes inside the tenant's own folder (``registry.models``), so a
+    file of that name and size holds these bytes (and agents check the sha256 of every
+    download). Only the tenant's own folder is looked in: another tenant's identical upload is
+    stored again, so nothing observable tells one tenant what another uploaded. Stored files
+    are never deleted with a version, so a file shared by several versions stays while any
+    refers to it.
+    """
+    name = field.field.generate_filename(field.instance, "")
+    if field.storage.exists(name) and field.storage.size(name) == upload.size:
+        field.name = name
+        return
+    # A file spooled to disk is moved, not copied through memory (Django's storage); S3 gets
+    # it in multipart chunks read from disk. A name taken meanwhile (a concurrent identical
+    # upload, or a partial file) gets a suffix from the storage rather than an overwrite.
+    field.save(name, upload, save=False)
 
 
 def _sha256(upload: File[bytes]) -> str:

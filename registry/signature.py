@@ -17,7 +17,7 @@ from onnx import TensorProto
 from platform_site.errors import Invalid
 from serving_agent.protocol import OIP_TO_NUMPY
 
-from .onnx_check import zipmap_labels
+from .onnx_check import load_checked, zipmap_labels
 
 # ONNX element types that map onto Open Inference Protocol v2 datatypes.
 _ONNX_TO_OIP = {
@@ -128,12 +128,11 @@ def read_onnx_signature_from_file(path: str) -> tuple[list[dict[str, Any]], list
 
 
 def read_onnx_signature(data: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The (inputs, outputs) of an ONNX model, after checking it is a valid model."""
+    """The (inputs, outputs) of an ONNX model, after the checks of an upload (``load_checked``)."""
     try:
-        model = onnx.load_model_from_string(data)
-        onnx.checker.check_model(model)
-    except Exception as exc:  # onnx raises several unrelated types for a bad file
-        raise SignatureError("artifact", f"not a valid ONNX model: {exc}") from exc
+        model = load_checked(data)
+    except ValueError as exc:
+        raise SignatureError("artifact", str(exc)) from None
     initializers = {i.name for i in model.graph.initializer}
     graph_inputs = [i for i in model.graph.input if i.name not in initializers]
     outputs = _tensors(model.graph.output, "output", zipmap_labels(model.graph))

@@ -443,6 +443,20 @@ def check_archive(
         archive.close()
 
 
+def weight_files(
+    source: str | Path | IO[bytes], max_total: int = DEFAULT_MAX_TOTAL_BYTES
+) -> Iterator[tuple[str, IO[bytes]]]:
+    """Each ``*.safetensors`` member of a checked archive as a stream, read once: the registry
+    checks the weights' values at upload (``registry.weights``)."""
+    archive = _Archive(source, max_total)
+    try:
+        for short in sorted(n for n in archive.members if n.endswith(".safetensors")):
+            with archive.open(short) as f:
+                yield short, cast(IO[bytes], f)
+    finally:
+        archive.close()
+
+
 def extract(source: str | Path, dest: Path, max_total: int = DEFAULT_MAX_TOTAL_BYTES) -> Manifest:
     """Check the archive and write the files the agent loads into ``dest`` (flat; only names
     this module chose, so nothing lands outside it). A finished extraction is marked, so a

@@ -23,7 +23,7 @@ from registry.models import ModelVersion
 from serving_agent import ArtifactCache
 from serving_agent._cache import download_source
 from serving_agent._exceptions import AgentError, ChecksumMismatch
-from tests.factories import make_session
+from tests.factories import key_client, make_model, make_session
 from tests.fuzz.strategies import fuzz
 from tests.onnx_models import small_onnx
 from tests.s3_server import REGION, s3_server
@@ -117,6 +117,31 @@ def test_an_upload_spooled_to_disk_is_checked_there_and_streamed_to_the_bucket(
     assert upload(api, onnx_bytes).status_code == 201
     version = ModelVersion.objects.get()
     assert object_bytes(s3, bucket, version.artifact.name) == onnx_bytes
+
+
+def test_the_same_bytes_are_one_object_per_tenant_and_outlive_a_deleted_version(
+    s3, bucket, world, api, onnx_bytes
+):
+    assert upload(api, onnx_bytes).status_code == upload(api, onnx_bytes).status_code == 201
+    first, again = ModelVersion.objects.order_by("version")
+    key = f"artifacts/{world.a.pk}/{first.sha256}.onnx"
+    assert first.artifact.name == again.artifact.name == key
+    listed = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
+    assert [o["Key"] for o in listed] == [key]
+    # Another tenant's identical upload is its own object: nothing tells it what tenant A holds.
+    make_model(world.b, "clf")
+    theirs = key_client(world.key_b).post(
+        "/api/v1/models/clf/versions",
+        {"artifact": SimpleUploadedFile("m.onnx", onnx_bytes)},
+        format="multipart",
+    )
+    assert theirs.status_code == 201
+    listed = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
+    assert sorted(o["Key"] for o in listed) == sorted(
+        [key, f"artifacts/{world.b.pk}/{first.sha256}.onnx"]
+    )
+    first.delete()  # as the admin deletes a version: the object stays for the other
+    assert object_bytes(s3, bucket, key) == onnx_bytes
 
 
 # Presigned downloads -------------------------------------------------------------------------
