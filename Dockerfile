@@ -38,4 +38,4 @@ USER 10001:10001
 # 8000: HTTP (UI, API, OIP v2 REST, agents); 8001: OIP v2 over gRPC (SWITCHYARD_GRPC_PORT)
 EXPOSE 8000 8001
 
-CMD ["uvicorn", "platform_site.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--no-access-log", "--http", "gateway.http_bounds:BoundedHttpProtocol"]
+CMD ["python", "-m", "platform_site.serve", "platform_site.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--no-access-log", "--http", "gateway.http_bounds:BoundedHttpProtocol"]

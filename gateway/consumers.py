@@ -31,6 +31,7 @@ from serving_agent.protocol import (
     CLOSE_UNAUTHORIZED,
     Assign,
     Attach,
+    Detach,
     FrameError,
     GenerateRequest,
     Heartbeat,
@@ -166,6 +167,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self._hello(message)
         elif isinstance(message, Attach) and self.session_id is None:
             await self._attach(message)
+        elif isinstance(message, Detach) and self.attached is not None and self.link is not None:
+            self.state.pool.detach(self.link)
+            log.info("agent %s: data link for session %s retired", self.node, self.attached)
         elif self.link is None or self.session_id is None:
             # Anything before hello, and anything but replies and attach on a data link (which
             # claims nothing of its own), is a protocol error.

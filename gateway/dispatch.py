@@ -204,6 +204,9 @@ class AgentLink:
     # version or ``carried_until`` (time.monotonic) passes; see GatewayState._follow_sessions.
     carried: set[int] = field(default_factory=set)
     carried_until: float = 0.0
+    # The agent retires this data link (``Detach``): nothing new is sent on it, its requests
+    # in flight are still answered on it until the agent closes it.
+    detached: bool = False
     pending: dict[int, asyncio.Future[AgentReply]] = field(default_factory=dict)
     streams: dict[int, StreamInbox] = field(default_factory=dict)
     outbox: list[bytes] = field(default_factory=list)
@@ -289,7 +292,14 @@ class AgentPool:
             self._reindex()
 
     def data_links(self) -> list[AgentLink]:
-        return [link for link in self._links if link.session is not None]
+        """The data links that may be sent work (not retired by their agent)."""
+        return [link for link in self._links if link.session is not None and not link.detached]
+
+    def detach(self, link: AgentLink) -> None:
+        """Send nothing new on a link its agent retires; its requests in flight stay."""
+        link.detached = True
+        link.carried, link.carried_until = set(), 0.0
+        self.set_ready_versions(link, set())
 
     def remove(self, link: AgentLink, reason: str, *, restarting: bool = False) -> None:
         """Forget a link and fail its outstanding requests at once: 502 when the agent went

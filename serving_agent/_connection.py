@@ -46,6 +46,16 @@ def backoff_delay(attempt: int, base: float = 0.5, cap: float = 10.0) -> float:
     return random.uniform(0, min(cap, base * 2**attempt))
 
 
+# Close codes a platform process sends when it stops (1012 service restart: uvicorn's shutdown;
+# 1001 going away): it, or another process behind the same address, is back within seconds.
+# For RESTART_WINDOW_S after one the backoff is capped at RESTART_RETRY_CAP_S, so the agent is
+# not asleep in a long backoff, grown while the address refused, when the new process starts
+# (requests then wait on a cold start for nothing). The jitter still spreads a fleet.
+RESTART_CODES = (1001, 1012)
+RESTART_WINDOW_S = 60.0
+RESTART_RETRY_CAP_S = 1.0
+
+
 class AuthRejected(Exception):
     """The platform refused this agent: its node token (HTTP 401/403, close code 4401), or a
     claim beyond what its node may serve (close code 4403). Retried only slowly."""
@@ -108,6 +118,7 @@ class Connection:
         self.stable_s = stable_s  # a connection up this long resets the backoff
         self.heartbeat_s = 5.0
         self.socket: Socket | None = None  # the open websocket; None while disconnected
+        self.close_code: int | None = None  # the platform's close code of the last connection
         self._hello = hello
         self._heartbeat = heartbeat
         self._heartbeats: asyncio.Task[None] | None = None
@@ -118,6 +129,7 @@ class Connection:
         """Connect and serve until ``stop`` is set, reconnecting with backoff."""
         loop = asyncio.get_running_loop()
         attempt = 0
+        restart_until = 0.0  # the platform said it restarts: retry often until then
         while not stop.is_set():
             started = loop.time()
             delay = None
@@ -134,10 +146,16 @@ class Connection:
                 logger.exception("connection failed unexpectedly")  # keep the node serving
             if stop.is_set():
                 break
+            if self.close_code in RESTART_CODES:
+                restart_until = loop.time() + RESTART_WINDOW_S
+            self.close_code = None
             if loop.time() - started >= self.stable_s:
                 attempt = 0
             if delay is None:
-                delay = backoff_delay(attempt, self.retry_base, self.retry_cap)
+                cap = self.retry_cap
+                if loop.time() < restart_until:
+                    cap = min(cap, RESTART_RETRY_CAP_S)
+                delay = backoff_delay(attempt, self.retry_base, cap)
                 attempt += 1
             logger.info("reconnecting in %.2f s", delay)
             try:
@@ -198,6 +216,7 @@ class Connection:
                 self.handle_message(message)
         finally:
             self.socket = None
+            self.close_code = ws.close_code
             self._outbox = []  # replies to the old connection's requests go nowhere
             if self._heartbeats is not None:
                 self._heartbeats.cancel()

@@ -18,9 +18,15 @@ from urllib.parse import urlsplit
 from ._connection import Connection
 from ._serving import Serving, Stats
 from ._versions import Loaded, LoadedTextGen
-from .protocol import Attach, Links
+from .protocol import Attach, Detach, Links
 
 logger = logging.getLogger(__name__)
+
+# A data link no longer asked for is retired, not dropped (DataLink.retire): this long after the
+# new Links, the platform is told to send nothing new on it; what was sent is answered within
+# RETIRE_MAX_S (past any request's deadline on the platform), then it closes.
+RETIRE_GRACE_S = 0.5
+RETIRE_MAX_S = 30.0
 
 
 class DataLink:
@@ -56,6 +62,22 @@ class DataLink:
         self._stop.set()
         await self._task
         await self.serving.shutdown()
+
+    async def retire(self) -> None:
+        """Close without failing what the link carries: after ``RETIRE_GRACE_S`` (the main
+        connection's statuses reach its gateway process first, so the version stays servable
+        there), ask the platform to send nothing new (``Detach``); once what it sent before
+        reading that has arrived (another grace) and is answered (at most ``RETIRE_MAX_S``),
+        close."""
+        await asyncio.sleep(RETIRE_GRACE_S)
+        await self.connection.send(Detach().model_dump_json())
+        # Requests the platform sent before it read the Detach are still on their way here.
+        await asyncio.sleep(RETIRE_GRACE_S)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETIRE_MAX_S
+        while self.serving.busy and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.close()
 
     # What the connection hands over ------------------------------------------------------------
 
@@ -94,7 +116,7 @@ class DataLinks:
         wanted = {url for url in links.urls if self._allowed(url)}
         for url in list(self.links):
             if url not in wanted:
-                self._background(self.links.pop(url).close())
+                self._background(self.links.pop(url).retire())
         for url in sorted(wanted):
             link = self.links.get(url)
             if link is None:

@@ -240,6 +240,11 @@ class Serving:
         for engine in self.engines():
             engine.cancel_all(senders)  # nobody reads those streams any more; free their rows
 
+    @property
+    def busy(self) -> bool:
+        """Whether requests or streams it was sent are still running."""
+        return bool(self._requests)
+
     async def shutdown(self) -> None:
         """Cancel the requests still running and wait for them to end."""
         for task in list(self._requests):

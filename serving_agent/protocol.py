@@ -179,6 +179,15 @@ class Attach(BaseModel):
     session: int
 
 
+class Detach(BaseModel):
+    """On a data link the agent retires (its gateway process now holds the agent's main
+    connection, or is no longer listed): send nothing new on it. The requests already sent on
+    it are answered on it; then the agent closes it. Without this, closing the link failed the
+    requests in flight on it (502) at every move of the main connection."""
+
+    type: Literal["detach"] = "detach"
+
+
 VersionState = Literal["loading", "ready", "failed", "unloaded", "evicted"]
 
 
@@ -264,7 +273,9 @@ class Heartbeat(BaseModel):
     shed_total: int = 0
 
 
-AgentMessage = Annotated[Hello | Attach | VersionStatus | Heartbeat, Field(discriminator="type")]
+AgentMessage = Annotated[
+    Hello | Attach | Detach | VersionStatus | Heartbeat, Field(discriminator="type")
+]
 agent_message = TypeAdapter(AgentMessage)
 
 

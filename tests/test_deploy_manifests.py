@@ -384,8 +384,9 @@ def test_migrate_job_runs_migrations():
 def test_commands_agree_with_supervisord_conf():
     procfile = _supervised()
     web = _command(_find("Deployment", "switchyard-web"))
-    assert web[0] == procfile["web"][0] == "uvicorn"
-    assert web[1] == procfile["web"][1] == "platform_site.asgi:application"
+    # uvicorn's command line through platform_site.serve (its parent stops listening at SIGTERM).
+    assert web[:3] == procfile["web"][:3] == ["python", "-m", "platform_site.serve"]
+    assert web[3] == procfile["web"][3] == "platform_site.asgi:application"
     # Every way of running the web process bounds half-sent requests' headers (408).
     bounded = "gateway.http_bounds:BoundedHttpProtocol"
     assert _option(web, "--http") == _option(procfile["web"], "--http") == bounded
@@ -398,7 +399,7 @@ def test_commands_agree_with_supervisord_conf():
     assert agent[:3] == procfile["agent"][:3] == ["python", "-m", "serving_agent"]
     # The Dockerfile's default command is the web process too.
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert '"uvicorn", "platform_site.asgi:application"' in dockerfile
+    assert '"platform_site.serve", "platform_site.asgi:application"' in dockerfile
     assert f'"--http", "{bounded}"' in dockerfile
 
 
@@ -468,3 +469,13 @@ def test_the_web_server_believes_forwarded_addresses_only_from_named_proxies():
         if "--forwarded-allow-ips" in text:
             after = text.split("--forwarded-allow-ips", 1)[1].lstrip().lstrip("-").strip()
             assert not after.startswith(('"*"', "'*'", "*", "=*")), path
+
+
+def test_web_pods_leave_the_service_before_they_drain():
+    """A web pod is out of the Service's endpoints (preStop sleep) before SIGTERM starts its
+    drain, and is given the time to finish its requests (gateway/drain.py)."""
+    web = _find("Deployment", "switchyard-web")
+    pod = _pod_spec(web)
+    container = pod["containers"][0]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["terminationGracePeriodSeconds"] >= 5 + 10 + 5

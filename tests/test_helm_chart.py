@@ -97,6 +97,10 @@ def test_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     pod = web["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     assert pod["containers"][0]["image"] == "ghcr.io/switchyard/switchyard:0.1.0"
+    # Out of the Service before SIGTERM, then time to drain (gateway/drain.py).
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert pod["containers"][0]["command"][:3] == ["python", "-m", "platform_site.serve"]
     ports = {p["name"]: p["port"] for p in _get(docs, "Service", "-web")["spec"]["ports"]}
     assert ports == {"http": 80, "grpc": 8001}
     assert _get(docs, "Deployment", "-beat")["spec"]["replicas"] == 1
