@@ -56,6 +56,14 @@ def needs_reload(old: VersionSpec, new: VersionSpec) -> bool:
     return old.model_dump(include=_ARTIFACT_FIELDS) != new.model_dump(include=_ARTIFACT_FIELDS)
 
 
+def load_order(spec: VersionSpec) -> tuple[bool, int, int]:
+    """Where a version's load goes among those assigned together: batch formats before the
+    streaming ones (generators: torch and seconds of warm-up), then the smaller expected
+    footprint (the platform's estimate), then the version id."""
+    fmt = FORMATS.get(spec.format)
+    return (fmt is None or fmt.streams, spec.memory_bytes, spec.version_id)
+
+
 def estimate_need(spec: VersionSpec, path: Path) -> int:
     """Bytes a version is expected to take once loaded: the platform's estimate, else a multiple
     of its artifact's size."""
@@ -239,7 +247,9 @@ class VersionSet:
             spec = wanted.get(version_id)
             if spec is None or needs_reload(unfit, spec) or unfit.memory_bytes != spec.memory_bytes:
                 del self.unfit[version_id]
-        for version_id, spec in wanted.items():
+        # Smallest first: loads take the load lock in the order they reach it, so after a
+        # restart a 20 µs classifier is not left waiting behind a text generator's seconds.
+        for version_id, spec in sorted(wanted.items(), key=lambda item: load_order(item[1])):
             loaded = self.loaded.get(version_id)
             loading = self._loading.get(version_id)
             # Repeat each state: after a reconnect the platform has not heard it from us.
