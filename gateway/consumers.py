@@ -395,8 +395,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 # A shutdown leaves the agent serving: the other process may try elsewhere.
                 if restarting:
                     frame = error_frame(request_id, "not_loaded", reason)
-                else:
-                    frame = error_frame(request_id, "internal", reason)
+                else:  # the forwarding process answers 502, and counts no model failure
+                    frame = error_frame(request_id, "gone", reason)
                 await self._send_remote(channel, frame)
             self.remote_replies.clear()
         session_id, self.session_id = self.session_id, None

@@ -64,6 +64,7 @@ AGENT_ERROR_STATUS = {
     "not_loaded": 503,
     "expired": 504,
     "cancelled": 499,
+    "gone": 502,
 }
 # Statuses that tell the client to come back: they carry Retry-After.
 RETRY_STATUSES = (429, 503)
@@ -79,11 +80,21 @@ def status_of(error: InferError) -> int:
 class DispatchError(Exception):
     """The request could not be served; ``status`` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str, retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        retry_after: int | None = None,
+        *,
+        transport: bool = False,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        # A failure of the way to the agent (a forwarded request whose answer never came back
+        # through the channel layer), not of the model: never counted against the version.
+        self.transport = transport
 
 
 class NotReady(DispatchError):
@@ -429,6 +440,10 @@ class AgentPool:
             try:
                 await self._send(send, frame)
                 return await self._wait(fut, timeout, request.id, send)
+            except DispatchError as exc:
+                # Forwarded: the process holding the agent's connection may have died with it.
+                exc.transport = True
+                raise
             finally:
                 self._remote_pending.pop(request.id, None)
         links = self._by_version.get(version_id)

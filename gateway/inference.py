@@ -85,7 +85,8 @@ async def run_inference(
             state.traffic.record(
                 route.version_id, time.perf_counter() - started, exc.status < 500, counted
             )
-        _version_outcome(state, route, exc.status, sched)
+        if not exc.transport:
+            _version_outcome(state, route, exc.status, sched)
         raise api_error(exc) from None
     status = 200 if isinstance(reply, InferResult) else status_of(reply)
     if counted is not None:

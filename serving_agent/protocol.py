@@ -329,8 +329,17 @@ class InferResult(msgspec.Struct, tag="result", tag_field="type"):
 # "over_share": the caller holds more than its share of a shared version's queue (429);
 # "overloaded": the queue is full of better or fairer work (503); "expired": the budget ran
 # out before compute; "cancelled": the caller gave up (a ``Cancel`` frame) before compute.
+# "gone": the agent, or the gateway process holding its connection, went away mid-request (sent
+# between gateway processes, never by an agent): 502, a failure of the path, not of the model.
 ErrorCode = Literal[
-    "overloaded", "over_share", "not_loaded", "bad_input", "expired", "cancelled", "internal"
+    "overloaded",
+    "over_share",
+    "not_loaded",
+    "bad_input",
+    "expired",
+    "cancelled",
+    "internal",
+    "gone",
 ]
 
 

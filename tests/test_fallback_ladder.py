@@ -271,6 +271,31 @@ def test_a_short_client_deadline_does_not_open_the_breaker(ladder, state, rng):
     assert ladder.primary.link.breaker.state() == CLOSED
 
 
+@pytest.mark.parametrize(("code", "opens"), [("gone", False), ("internal", True)])
+def test_a_forwarded_request_lost_on_the_way_never_opens_the_version_breaker(
+    world, state, rng, code, opens
+):
+    """The version is served only by an agent whose connection another gateway process holds
+    (forwarded through the channel layer). That process dying mid-request answers "gone"
+    (502): the path failed, not the model; the breaker opens only on the model's own errors."""
+    v1 = make_version(make_model(world.a, "clf"), V1)
+    pool = state.pool
+
+    async def forward(channel: str, frame: bytes) -> None:
+        request = decode_frame(frame)[0]
+        pool.deliver_remote(error_frame(request.id, code, "the gateway process went away"))
+
+    pool.remote, pool.remote_sender = {v1.pk: ["elsewhere"]}, forward
+    x = rng.normal(size=(1, 4)).astype(np.float32)
+    statuses = [status for status, _, _ in infers(world.key_a, [x] * 5)]
+    if opens:
+        assert statuses == [500] * 3 + [503] * 2  # three failures opened it
+        assert state.version_breakers[v1.pk].state() == OPEN
+    else:
+        assert statuses == [502] * 5
+        assert v1.pk not in state.version_breakers
+
+
 # Retries and agent links ----------------------------------------------------------------------
 
 
