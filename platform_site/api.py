@@ -67,6 +67,7 @@ ERRORS = {
     409: "The change no longer fits the object's current state (or lost a race).",
     413: "The body is larger than the server accepts.",
     415: "The body is not in a media type the operation reads.",
+    503: "The platform's database cannot be reached: retry after `Retry-After` seconds.",
 }
 
 
@@ -100,4 +101,5 @@ class ApiSchema(AutoSchema):
             statuses.append(409)
         if has_body:
             statuses += [413, 415]
+        statuses.append(503)  # every operation needs the database (platform_site.postgres)
         return statuses

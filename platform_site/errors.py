@@ -16,6 +16,8 @@ from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from platform_site.postgres import DatabaseUnavailable
+
 
 class Conflict(Exception):
     """A change that lost a race or no longer fits the current state: the API answers 409."""
@@ -32,7 +34,8 @@ class Unprocessable(Exception):
 
 class Unavailable(Exception):
     """A service the change needs (the artifact store, say) cannot be reached or refused to
-    work: nothing is wrong with the request, so the API answers 503 with ``Retry-After``."""
+    work: nothing is wrong with the request, so the API answers 503 with ``Retry-After``.
+    The database unreachable is ``platform_site.postgres.DatabaseUnavailable``, answered alike."""
 
     retry_after_s = 5
 
@@ -113,7 +116,7 @@ def _as_drf(exc: Exception) -> Exception:
         return _ConflictError(str(exc))
     if isinstance(exc, Unprocessable):
         return _UnprocessableError(str(exc))
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable | DatabaseUnavailable):
         return _UnavailableError(str(exc))
     if isinstance(exc, OverBudget):
         return _OverBudgetError(str(exc))
@@ -133,7 +136,7 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
     if isinstance(detail, dict) and set(detail) - {"detail"}:
         body["fields"] = detail
     headers = _keep_headers(response)
-    if isinstance(exc, Unavailable | OverBudget):
+    if isinstance(exc, Unavailable | OverBudget | DatabaseUnavailable):
         headers["Retry-After"] = str(exc.retry_after_s)
     return Response(body, status=response.status_code, headers=headers)
 

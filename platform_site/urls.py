@@ -1,3 +1,5 @@
+import sys
+
 from django.conf import settings
 from django.contrib import admin
 from django.core.exceptions import RequestDataTooBig
@@ -9,6 +11,8 @@ from django.views.defaults import server_error as django_server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from gateway import openai_api
+from platform_site.db_outage import unavailable
+from platform_site.postgres import DatabaseUnavailable
 from tenants import schema  # noqa: F401  (registers the OpenAPI auth extension for /api/schema/)
 
 # Each API answers its errors in its own shape, even the ones Django raises before a view runs
@@ -37,6 +41,9 @@ def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
+    exc = sys.exc_info()[1]  # Django calls this while handling the exception
+    if isinstance(exc, DatabaseUnavailable):  # raised outside a view: a middleware's query
+        return unavailable(request, exc)
     if request.path.startswith("/v1/"):
         return openai_api.openai_error(500, "internal server error")
     if request.path.startswith("/api/"):

@@ -5,18 +5,21 @@ and what it generated is charged when it ends).
 ``LocalStreamBudget`` keeps them in process (the embedded default, one gateway process).
 ``RedisStreamBudget`` keeps them in Redis, updated atomically by Lua scripts, so every gateway
 process shares one budget per tenant: a stream holds a slot in a sorted set scored by its lease
-expiry, renewed while it runs, so the slot of a process that died frees itself.
+expiry, renewed while it runs, so the slot of a process that died frees itself. Its calls go
+through the process's circuit of that Redis (``tenants.ratelimit.redis_circuit``): while Redis
+is down or stalled, streams start and end in process without waiting on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from .keys import KeyIdentity
-from .ratelimit import REDIS_ERRORS, RedisCircuit, redis_client
+from .ratelimit import RedisUnavailable, redis_circuit, redis_client
 
 SLOT_TTL_S = 60  # a running stream renews its slot well before this (``RENEW_S``)
 RENEW_S = 20
@@ -154,7 +157,7 @@ class RedisStreamBudget:
 
     def __init__(self, redis_url: str, prefix: str = "sy:gen:", ttl_s: int = SLOT_TTL_S):
         self._redis = redis_client(redis_url)
-        self._circuit = RedisCircuit("stream budget")
+        self._circuit = redis_circuit(redis_url)
         self._local = LocalStreamBudget()
         self._local_slots: set[str] = set()
         self._admit = self._redis.register_script(_ADMIT)
@@ -170,8 +173,6 @@ class RedisStreamBudget:
         return [f"{self._prefix}{tenant}:streams", f"{self._prefix}{tenant}:tokens"]
 
     async def admit(self, identity: KeyIdentity, prompt_tokens: int) -> str:
-        if not self._circuit.closed:
-            return await self._admit_locally(identity, prompt_tokens)
         slot = f"{self._process}:{next(self._slots)}"
         args: list[int | str] = [
             identity.tokens_per_minute,
@@ -181,11 +182,11 @@ class RedisStreamBudget:
             self._ttl,
         ]
         try:
-            code, wait_ms = await self._admit(keys=self._keys(identity), args=args)
-        except REDIS_ERRORS as exc:
-            self._circuit.failed(exc)
+            code, wait_ms = await self._circuit.call(
+                self._admit, keys=self._keys(identity), args=args
+            )
+        except RedisUnavailable:
             return await self._admit_locally(identity, prompt_tokens)
-        self._circuit.succeeded()
         if code == 1:
             raise too_many_streams(identity)
         if code == 2:
@@ -198,25 +199,21 @@ class RedisStreamBudget:
         return slot
 
     async def renew(self, identity: KeyIdentity, slot: str) -> None:
-        if slot in self._local_slots or not self._circuit.closed:
-            return  # a local slot needs no renewal; a Redis one lives on its lease meanwhile
-        try:
-            await self._renew(keys=self._keys(identity)[:1], args=[slot, self._ttl])
-        except REDIS_ERRORS as exc:
-            self._circuit.failed(exc)
+        if slot in self._local_slots:
+            return  # a local slot needs no renewal
+        with contextlib.suppress(RedisUnavailable):  # a Redis slot lives on its lease meanwhile
+            await self._circuit.call(
+                self._renew, keys=self._keys(identity)[:1], args=[slot, self._ttl]
+            )
 
     async def finish(self, identity: KeyIdentity, slot: str, output_tokens: int) -> None:
         if slot in self._local_slots:
             self._local_slots.discard(slot)
             await self._local.finish(identity, slot, output_tokens)
             return
-        if not self._circuit.closed:
-            return  # its slot frees itself when its lease runs out
         args: list[int | str] = [identity.tokens_per_minute, output_tokens, slot]
-        try:
-            await self._finish(keys=self._keys(identity), args=args)
-        except REDIS_ERRORS as exc:
-            self._circuit.failed(exc)
+        with contextlib.suppress(RedisUnavailable):  # its slot frees itself when its lease ends
+            await self._circuit.call(self._finish, keys=self._keys(identity), args=args)
 
     async def close(self) -> None:
         await self._redis.aclose()
