@@ -129,6 +129,7 @@ def micro(n: int = 20_000) -> None:
         client = redis.Redis.from_url(os.environ["REDIS_URL"])
         for name in client.scan_iter(idempotency.REDIS_PREFIX + "0:0:*", count=1000):
             client.delete(name)
+        client.delete(idempotency.BUDGET_PREFIX + "0")  # its byte count
 
 
 def main() -> None:

@@ -128,7 +128,7 @@ async def _answer(state: GatewayState, scope: Scope, receive: Receive, call: Cal
     headers = [("x-switchyard-version", str(routed.route.version))]
     if routed.arm:
         headers.append(("x-switchyard-arm", routed.arm))
-    await call.keep(200, headers, payload)
+    headers = await call.keep(200, headers, payload)
     return 200, payload, headers
 
 

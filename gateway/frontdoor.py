@@ -10,9 +10,10 @@ renderer; once its reply is sent it calls ``Call.finish``. The lifecycle owns:
   the request's log records;
 - refusals and their metrics: every door's outcome is counted by ``GatewayState.observe`` from
   the moment the door says it is predicting, so a 401, 404 or 429 counts the same everywhere;
-- the Idempotency-Key: claimed through ``Call.claim_key``, kept with ``Call.keep``, and
-  released on every exit without a kept answer (an error, an exception, the client gone, a
-  cancellation), so a retry computes instead of getting 409 until the lease ends;
+- the Idempotency-Key: claimed through ``Call.claim_key``, kept with ``Call.keep`` (which
+  marks an answer too large to keep ``Idempotency-Stored: false``), and released on every exit
+  without a kept answer (an error, an exception, the client gone, a cancellation), so a retry
+  computes instead of getting 409 until the lease ends;
 - error mapping: an ``ApiError`` or any exception becomes the door's own error shape, an
   unexpected exception a logged 500 that never shows a traceback;
 - after-reply work: the metrics, the log sample and shadow copies run once the reply is sent.
@@ -99,11 +100,16 @@ class Call:
         self.claim = claim
         return None
 
-    async def keep(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-        """The answer a retry with the same key is given; the claim is then no longer held."""
+    async def keep(
+        self, status: int, headers: list[tuple[str, str]], body: bytes
+    ) -> list[tuple[str, str]]:
+        """The answer a retry with the same key is given; the claim is then no longer held.
+        Returns the reply's headers: ``headers``, and ``Idempotency-Stored: false`` when the
+        answer was not kept (``Claim.keep``), so the client knows a retry computes again."""
         claim, self.claim = self.claim, None
-        if claim is not None:
-            await claim.keep(status, headers, body)
+        if claim is None or await claim.keep(status, headers, body):
+            return headers
+        return [*headers, idempotency.NOT_STORED]
 
     def finish(self) -> None:
         """Once the reply is sent: count it, offer it to the prediction log, start the work

@@ -123,9 +123,9 @@ async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.Mod
     if isinstance(answer, ApiError):
         await _abort(context, answer, call.trace.headers() if call.refused is None else [])
         raise AssertionError("abort raises")  # pragma: no cover
-    reply, replayed = answer
-    replay_trailer = [(idempotency.REPLAYED[0].lower(), "true")] if replayed else []
-    context.set_trailing_metadata([*call.trace.headers(), *replay_trailer])
+    reply, marks = answer
+    lowercase = [(name.lower(), value) for name, value in marks]  # as gRPC metadata must be
+    context.set_trailing_metadata([*call.trace.headers(), *lowercase])
     return reply
 
 
@@ -141,9 +141,10 @@ async def _infer(
     metadata: dict[str, str],
     call: Call,
     time_left: float | None = None,
-) -> tuple[pb.ModelInferResponse, bool]:
-    """The reply, and whether it is the first answer to an earlier call with the same
-    ``idempotency-key`` metadata (then nothing was computed)."""
+) -> tuple[pb.ModelInferResponse, list[tuple[str, str]]]:
+    """The reply, and the idempotency trailers: ``idempotent-replayed`` when it is the first
+    answer to an earlier call with the same ``idempotency-key`` metadata (then nothing was
+    computed), ``idempotency-stored: false`` when it was not kept for its retries."""
     version = request.model_version or None
     identity, route = await call.admit(metadata.get("authorization"), request.model_name, version)
     parsed = grpc_codec.parse_infer(request, route)
@@ -163,7 +164,7 @@ async def _infer(
             identity, key, "POST", "grpc:ModelInfer", request.SerializeToString()
         )
         if replay is not None:
-            return pb.ModelInferResponse.FromString(replay.body), True
+            return pb.ModelInferResponse.FromString(replay.body), [idempotency.REPLAYED]
     call.observed.mark("serialization")
     routed, outputs = await pipeline.predict(
         state,
@@ -184,8 +185,7 @@ async def _infer(
         routed.degraded,
     )
     call.observed.mark("serialization")
-    await call.keep(200, [], reply.SerializeToString())
-    return reply, False
+    return reply, await call.keep(200, [], reply.SerializeToString())
 
 
 def _unary(

@@ -135,7 +135,7 @@ async def _infer(
         routed.route, parsed.id, outputs, parsed.binary_outputs, routed.arm, routed.degraded
     )
     observed.mark("serialization")
-    await call.keep(200, headers, payload)
+    headers = await call.keep(200, headers, payload)
     return 200, payload, headers
 
 

@@ -24,6 +24,10 @@ from .models import IdempotencyRecord
 
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # Stripe's name: "true" on an answer given again
+# "false" on an answer that was not kept for its retries (too large, or on the data path its
+# tenant's kept answers at their budget). Neither Stripe nor the draft names one; absent means
+# kept, as Idempotent-Replayed is absent on a first answer.
+STORED_HEADER = "Idempotency-Stored"
 MAX_KEY_LENGTH = 255
 # Printable ASCII without spaces: a UUID, a ULID or any token a client library generates.
 _KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
@@ -143,8 +144,15 @@ def request_fingerprint(request: HttpRequest) -> str:
 
 
 def _stored(response: HttpResponse) -> idempotency.Stored:
+    """What a retry is given. A body over SWITCHYARD_IDEMPOTENCY_MAX_ANSWER_BYTES is not kept,
+    and both answers say so (``Idempotency-Stored: false``); the rest is: the call acted, so its
+    retry must still not act again, and gets the status and ``Location`` (where to read it)."""
     headers = [(name, response[name]) for name in KEPT_HEADERS if response.has_header(name)]
-    return idempotency.Stored(response.status_code, headers, response.content)
+    if len(response.content) <= settings.SWITCHYARD_IDEMPOTENCY_MAX_ANSWER_BYTES:
+        return idempotency.Stored(response.status_code, headers, response.content)
+    response[idempotency.STORED_HEADER] = "false"
+    headers.append((idempotency.STORED_HEADER, "false"))
+    return idempotency.Stored(response.status_code, headers, b"")
 
 
 def _replay(stored: idempotency.Stored) -> HttpResponse:

@@ -48,7 +48,8 @@ def document_idempotency_key(
         "required": False,
         "description": "Send the same key to retry safely: within the retention window a "
         "retry by the same caller gets the first 2xx answer (`Idempotent-Replayed: true`) "
-        "instead of acting twice.",
+        "instead of acting twice. An answer over the kept size is kept without its body: "
+        "both answers say `Idempotency-Stored: false`, and the retry still does not act.",
         "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
     }
     for path, operations in result.get("paths", {}).items():

@@ -75,9 +75,11 @@ def rng() -> np.random.Generator:
 
 class OwnRedis:
     """A redis-server of the test's own on a free port, which the test may stop and restart
-    (the shared one on 6379 is never broken)."""
+    (the shared one on 6379 is never broken). ``args`` go first on its command line: a
+    configuration file, then options that override it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
+        self.args = args
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -85,8 +87,9 @@ class OwnRedis:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        self.process = subprocess.Popen([*args, "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        args = ["redis-server", *self.args, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -1,7 +1,8 @@
 """Every front door through the one lifecycle (gateway/frontdoor.py): the same cases through
 OIP REST, OIP gRPC, the prediction API, embeddings, OpenAI's completions and chat, and the
 generation websocket, each answered in its own protocol's shape with the same status family,
-the same refusal metric, and the Idempotency-Key released on every exit without an answer.
+the same refusal metric, and the Idempotency-Key released on every exit without an answer (or
+with one too large to keep, which says so).
 
 No process is started: the HTTP doors are driven through the ASGI application, the gRPC door's
 handler is called with a fake servicer context, and the agents are in-process links."""
@@ -160,12 +161,14 @@ def site(world, monkeypatch):
 @dataclass
 class Sent:
     """What a door answered: an HTTP status (the gRPC code and the websocket's error code are
-    mapped back through their doors' own tables), the replay mark, and whether the client was
-    gone before any answer."""
+    mapped back through their doors' own tables), the replay mark, whether the client was gone
+    before any answer, and whether the answer was kept for its retries (no
+    ``Idempotency-Stored: false``)."""
 
     status: int
     replayed: bool = False
     gone: bool = False
+    stored: bool = True
 
 
 @dataclass
@@ -211,7 +214,8 @@ async def http(path: str, body: bytes, req: Request) -> Sent:
     start = await communicator.receive_output(timeout=10)
     got = {k.decode().lower(): v.decode() for k, v in start["headers"]}
     await communicator.receive_output(timeout=10)  # the body
-    return Sent(start["status"], got.get("idempotent-replayed") == "true")
+    stored = got.get("idempotency-stored") != "false"
+    return Sent(start["status"], got.get("idempotent-replayed") == "true", stored=stored)
 
 
 def oip_door(req: Request) -> Awaitable[Sent]:
@@ -293,7 +297,8 @@ async def grpc_door(req: Request) -> Sent:
         if exc.code is grpc.StatusCode.INTERNAL:
             return Sent(500)
         return Sent(HTTP_OF_GRPC[exc.code])
-    return Sent(200, ("idempotent-replayed", "true") in context.trailers)
+    stored = ("idempotency-stored", "false") not in context.trailers
+    return Sent(200, ("idempotent-replayed", "true") in context.trailers, stored=stored)
 
 
 HTTP_OF_WS = {code: status for status, code in generate_ws.CODES.items()} | {"internal": 500}
@@ -458,9 +463,25 @@ def test_an_answered_request_is_replayed_and_computed_once(site, door):
     first, second = run(site, scenario)
     assert first.status == second.status == 200
     assert second.replayed and not first.replayed
+    assert first.stored and second.stored
     assert site.agent.received == 1
     # A replay computes nothing: it is not counted again.
     assert refusals(site.state) == {}
+
+
+@pytest.mark.parametrize("door", IDEMPOTENT)
+def test_an_answer_too_large_to_keep_says_so_and_its_retry_computes(site, door):
+    answers = site.state.answers
+    getattr(answers, "local", answers).answer_bytes = 10  # RedisAnswers reads its local's
+
+    async def scenario() -> tuple[Sent, Sent]:
+        first = await DOORS[door](Request(site.key_a, "clf", idem="k-3"))
+        return first, await DOORS[door](Request(site.key_a, "clf", idem="k-3"))
+
+    first, retry = run(site, scenario)
+    assert first.status == retry.status == 200
+    assert not first.stored and not retry.stored and not retry.replayed
+    assert site.agent.received == 2
 
 
 @pytest.mark.parametrize("door", [d for d in DOORS if d not in GENERATES])

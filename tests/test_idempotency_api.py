@@ -24,6 +24,7 @@ from tests.onnx_models import small_onnx
 pytestmark = pytest.mark.backends
 
 REPLAYED = "Idempotent-Replayed"
+STORED = "Idempotency-Stored"
 
 
 def key_client(key: str) -> APIClient:
@@ -65,6 +66,20 @@ def test_a_retried_alias_move_acts_once_and_gets_the_first_answer(served):
     assert second.content == first.content
     assert second[REPLAYED] == "true" and not first.has_header(REPLAYED)
     assert second["Content-Type"] == first["Content-Type"]
+    assert AuditEvent.objects.filter(action="alias.move", target__endswith="@staging").count() == 1
+
+
+def test_an_answer_too_large_to_keep_still_acts_once_and_says_so(served, settings):
+    """The call acted, so its retry must not act again: it gets the status without the body
+    (a prediction's key is freed instead, tests/test_idempotency_bounds.py)."""
+    settings.SWITCHYARD_IDEMPOTENCY_MAX_ANSWER_BYTES = 10
+    client = key_client(served.key_a)
+    first = move(client, "staging", 2, "move-large")
+    second = move(client, "staging", 2, "move-large")
+    assert first.status_code == second.status_code == 200
+    assert first[STORED] == second[STORED] == "false"
+    assert first.json()["version"] == 2 and second.content == b""
+    assert second[REPLAYED] == "true"
     assert AuditEvent.objects.filter(action="alias.move", target__endswith="@staging").count() == 1
 
 

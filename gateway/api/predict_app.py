@@ -202,7 +202,7 @@ async def _predict(
     # numpy arrays written by orjson itself: ~10x cheaper than .tolist() and then encoding.
     payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list)
     observed.mark("serialization")
-    await call.keep(200, headers, payload)
+    headers = await call.keep(200, headers, payload)
     return payload, headers
 
 
