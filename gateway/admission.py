@@ -1,12 +1,16 @@
 """Admission: who calls (the API key, its scope and expiry), whether they may now (the tenant's
 budget stop, rate limit and the key's in-flight limit), what they call (the model and version
 or alias, resolved from the cached route table) and the hold on their Idempotency-Key. Every
-front door admits a request through these before any work is done."""
+front door admits a request through these before any work is done, and an open stream's key
+is checked again through ``recheck_key`` and ``watch_key``."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from django.conf import settings
 
 from platform_site.errors import Conflict, Invalid, Unprocessable
 from platform_site.tokens import bearer
@@ -47,6 +51,35 @@ async def authenticate(state: GatewayState, authorization: str | None) -> KeyIde
     if PREDICT not in identity.scopes:
         raise ApiError(403, f"this API key lacks the '{PREDICT}' scope")
     return identity
+
+
+async def recheck_key(state: GatewayState, raw_key: str) -> KeyIdentity | None:
+    """An open stream's key, checked again against the key cache (which drops a revoked key
+    within a refresh interval): its identity now, or None when the database does not answer
+    (the key was valid when last seen: an outage does not cut streams off). Raises 401 once the
+    key is revoked or has expired: every stream it holds must end."""
+    try:
+        identity = await state.identify(raw_key, used=False)
+    except DispatchError:
+        return None
+    if identity is None:
+        raise ApiError(401, "the API key was revoked")
+    if identity.expired():
+        raise ApiError(401, "the API key has expired")
+    return identity
+
+
+async def watch_key(state: GatewayState, raw_key: str) -> ApiError:
+    """Re-check an open stream's key every ``SWITCHYARD_STREAM_KEY_RECHECK_S`` until it is
+    revoked or expires, and return why. Both streaming doors run it beside their streams (the
+    generation websocket, OpenAI's server-sent events), so no stream outlives its key by more
+    than that interval plus the key cache's refresh interval."""
+    while True:
+        await asyncio.sleep(settings.SWITCHYARD_STREAM_KEY_RECHECK_S)
+        try:
+            await recheck_key(state, raw_key)
+        except ApiError as exc:
+            return exc
 
 
 def check_budget(state: GatewayState, identity: KeyIdentity) -> None:

@@ -5,11 +5,10 @@ Django's request stack (OIP v2 in ``gateway.oip``, the prediction API in
 from __future__ import annotations
 
 import orjson
-from django.conf import settings
 
 from .asgi_types import Receive, Scope, Send
 from .errors import ApiError, ascii_int
-from .http_bounds import BODY_TIMEOUT_MESSAGE, read_within
+from .http_bounds import BodyDeadline
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -23,7 +22,7 @@ def header(scope: Scope, name: bytes) -> str | None:
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole body, or 413 as soon as it (or its declared length) passes ``limit`` bytes:
     a body too large is never held in memory whole; or 408 (and the connection closed) when
-    it stops arriving for ``SWITCHYARD_BODY_TIMEOUT_S``."""
+    it stops arriving, or arrives too slowly (``http_bounds.BodyDeadline``)."""
     declared = header(scope, b"content-length")
     if declared is not None:
         length = ascii_int(declared.strip())
@@ -33,11 +32,11 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    timeout = settings.SWITCHYARD_BODY_TIMEOUT_S
+    deadline = BodyDeadline()
     while True:
-        message = await read_within(receive, timeout)
+        message = await deadline.read(receive)
         if message is None:
-            raise ApiError(408, BODY_TIMEOUT_MESSAGE.format(timeout), [("Connection", "close")])
+            raise ApiError(408, deadline.late, [("Connection", "close")])
         if message["type"] == "http.disconnect":
             raise ApiError(400, "client disconnected before sending the whole body")
         chunk = message.get("body", b"")

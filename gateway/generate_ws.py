@@ -27,10 +27,10 @@ A problem is an error frame ``{"type": "error", "id": ..., "code": ..., "message
 socket stays open except for a bad key (closed 4401) and a client too slow to read its tokens
 (closed 4408). Closing the socket cancels every generation on it at the agent.
 
-A key is checked again on every ``generate`` frame and every ``SWITCHYARD_WS_KEY_RECHECK_S``
-while the socket is open (against the gateway's key cache, which drops a revoked key within a
-refresh interval): once it is revoked, each running generation gets an error frame
-(``unauthorized``), is cancelled at the agent, and the socket is closed 4401.
+A key is checked again on every ``generate`` frame and every ``SWITCHYARD_STREAM_KEY_RECHECK_S``
+while the socket is open (``admission.recheck_key``, as OpenAI's server-sent events are): once
+it is revoked or expired, each running generation gets an error frame (``unauthorized``), is
+cancelled at the agent, and the socket is closed 4401.
 """
 
 from __future__ import annotations
@@ -39,20 +39,19 @@ import asyncio
 import logging
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
-from django.conf import settings
-from django.http.request import validate_host
 from pydantic import Field, ValidationError
 
+from platform_site.origins import same_origin
 from platform_site.tokens import bearer
 from tenants.keys import KeyIdentity
 from tenants.members import session_identity
 
+from .admission import recheck_key, watch_key
 from .db import db_call
-from .dispatch import DispatchError, SlowClient
+from .dispatch import SlowClient
 from .errors import ApiError
 from .frontdoor import Call, serve
 from .generation import GenerateParams, start_generation
@@ -74,15 +73,6 @@ CODES = {
     503: "unavailable",
     504: "timeout",
 }
-
-
-def same_site(origin: bytes | None) -> bool:
-    """A cookie-authenticated socket must come from a page of this site (no other site may
-    open one with a user's cookie)."""
-    if not origin:
-        return False
-    host = urlsplit(origin.decode("latin-1")).netloc
-    return validate_host(host.rsplit(":", 1)[0], settings.ALLOWED_HOSTS)
 
 
 class GenerateRequestMessage(GenerateParams):
@@ -111,7 +101,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         user = self.scope.get("user")
         if authorization is not None:
             await self._authenticate(authorization.decode("latin-1"))
-        elif user is not None and user.is_authenticated and same_site(headers.get(b"origin")):
+        elif user is not None and user.is_authenticated and same_origin(self.scope):
             self.identity = await db_call(session_identity)(user, self.scope["session"])
 
     async def disconnect(self, code: int) -> None:
@@ -165,35 +155,36 @@ class GenerateConsumer(AsyncWebsocketConsumer):
             self.recheck = asyncio.create_task(self._recheck_key())
 
     async def _key_still_valid(self) -> bool:
-        """Whether the socket's key is still active (always, for a signed-in session). A
-        revoked or expired key ends every generation on the socket and closes it; a database
-        that does not answer leaves the socket as it is (the key was valid when last seen)."""
+        """Whether the socket's key is still active (always, for a signed-in session); if not,
+        the socket is ended (``_key_lapsed``)."""
         if self.raw_key is None:
             return True
         try:
-            identity = await self.state.identify(self.raw_key, used=False)
-        except DispatchError:
-            return True
-        if identity is not None and not identity.expired():
+            identity = await recheck_key(self.state, self.raw_key)
+        except ApiError as exc:
+            await self._key_lapsed(exc)
+            return False
+        if identity is not None:
             self.identity = identity  # a changed priority or limit applies from now on
-            return True
-        why = "the API key was revoked" if identity is None else "the API key has expired"
+        return True
+
+    async def _recheck_key(self) -> None:
+        """Re-check the key while the socket is open, so that a long stream does not outlive
+        its key (``admission.watch_key``)."""
+        assert self.raw_key is not None  # started once a key authenticated
+        await self._key_lapsed(await watch_key(self.state, self.raw_key))
+
+    async def _key_lapsed(self, why: ApiError) -> None:
+        """A revoked or expired key ends every generation on the socket and closes it."""
+        if self.revoked:
+            return  # the other check saw it first
         self.raw_key = None
         self.revoked = True
         for stream_id, task in list(self.running.items()):
             task.cancel()
-            await self.error(stream_id, 401, why)
-        await self.error(None, 401, why)
+            await self.error(stream_id, why.status, why.message)
+        await self.error(None, why.status, why.message)
         await self.close(CLOSE_UNAUTHORIZED)
-        return False
-
-    async def _recheck_key(self) -> None:
-        """Re-check the key while the socket is open, so that a long stream does not outlive
-        its key's revocation by more than ``SWITCHYARD_WS_KEY_RECHECK_S`` (plus the cache's
-        refresh interval)."""
-        while self.raw_key is not None:
-            await asyncio.sleep(settings.SWITCHYARD_WS_KEY_RECHECK_S)
-            await self._key_still_valid()
 
     async def _generate(self, message: dict[str, Any]) -> None:
         try:

@@ -151,6 +151,11 @@ class Generation:
                 await self.state.streams.renew(self.identity, self.slot)
             yield frame
 
+    def fail(self, error: ApiError) -> None:
+        """End the stream from this side: ``chunks`` raises ``error`` once the reader has
+        taken what already arrived (its key was revoked while it ran)."""
+        self.stream.fail(DispatchError(error.status, error.message))
+
     async def close(self) -> None:
         if self._closed:
             return

@@ -1,49 +1,79 @@
 """Bounds on reading a request that the ASGI servers do not set on their own: time and size.
 
 uvicorn closes an idle keep-alive connection, but a connection whose request headers never
-finish (slowloris), and a request whose body stops arriving, stay open for as long as the
-client likes; and Django spools any body to disk, however large, before a view can refuse it.
-These bounds answer 408 or 413 and close the connection:
+finish (slowloris), and a request whose body stops arriving or trickles in, stay open for as
+long as the client likes; httptools takes headers of any size; and Django spools any body to
+disk, however large, before a view can refuse it. These bounds answer 408, 413 or 431 and
+close the connection:
 
 - ``BoundedHttpProtocol``: uvicorn's httptools protocol with a header timeout (from the
-  connection's start, or the first byte of a request, to its last header). Run uvicorn with
+  connection's start, or the first byte of a request, to its last header: a total, so headers
+  sent a byte at a time are cut off too) and a bound on the headers' size. Run uvicorn with
   ``--http gateway.http_bounds:BoundedHttpProtocol`` (the Procfile, Dockerfile and
   deploy/web.yaml do).
-- ``read_within``: a body read that waits at most ``SWITCHYARD_BODY_TIMEOUT_S`` for the next
-  piece (nginx's ``client_body_timeout``: the gap between two reads, not the whole body, so a
-  large upload on a slow link still gets through). The lean apps read bodies with it
-  (``asgi_io.read_body``); ``bound_body_reads`` wraps Django's app with it and with a bound on
-  a body's size (``SWITCHYARD_MAX_UPLOAD_BYTES``), answering in the error shape of the front
-  door the path belongs to. Both work under uvicorn and daphne.
+- ``BodyDeadline``: a body read that waits at most ``SWITCHYARD_BODY_TIMEOUT_S`` for the next
+  piece (nginx's ``client_body_timeout``: the gap between two reads), and takes at most
+  ``SWITCHYARD_BODY_DEADLINE_S`` in all, plus a second per ``SWITCHYARD_BODY_MIN_RATE`` bytes
+  received (Apache's ``mod_reqtimeout`` ``MinRate``: a large upload on a link at least that
+  fast still gets through). The lean apps read bodies with it (``asgi_io.read_body``);
+  ``bound_body_reads`` wraps Django's app with it and with a bound on a body's size
+  (``SWITCHYARD_MAX_UPLOAD_BYTES``), answering in the error shape of the front door the path
+  belongs to. Both work under uvicorn and daphne.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import time
 from typing import Any
 
 from django.conf import settings
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from .asgi_types import Message, Receive, Scope, Send
+from .drain import DrainingHttp
 
 HEADER_TIMEOUT_MESSAGE = "the request headers did not arrive in time"
+HEADERS_TOO_LARGE_MESSAGE = "the request headers are larger than the limit of {} bytes"
 BODY_TIMEOUT_MESSAGE = "the request body stopped arriving: no data for {:g} s"
+BODY_DEADLINE_MESSAGE = "the request body arrived too slowly: not complete within {:g} s"
 TOO_LARGE_MESSAGE = "the request body is larger than the limit of {} bytes"
 
 App = Any  # an ASGI application: (scope, receive, send) -> None
 
 
-class BoundedHttpProtocol(HttpToolsProtocol):
+class BoundedHttpProtocol(DrainingHttp):
     """uvicorn's HTTP/1.1 protocol, with ``SWITCHYARD_HEADER_TIMEOUT_S`` from a connection's
-    start (or a new request's first byte) to the end of its headers."""
+    start (or a new request's first byte) to the end of its headers, and at most
+    ``SWITCHYARD_MAX_HEADER_BYTES`` of headers (httptools keeps a header of any size whole:
+    a 20 MB one was taken)."""
 
     header_timer: asyncio.TimerHandle | None = None
+    header_bytes = 0  # received since the header timer was armed, while it runs
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        timer = self.header_timer
+        super().data_received(data)
+        # Counted only when this request's headers were unfinished before the data and still
+        # are after it, so that the data holds nothing but their bytes (not a body before).
+        if timer is None or self.header_timer is not timer:
+            return
+        self.header_bytes += len(data)
+        limit = settings.SWITCHYARD_MAX_HEADER_BYTES
+        if self.header_bytes > limit and not self.transport.is_closing():
+            self._disarm()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.transport.close()  # pipelined behind a response: no room for an answer
+            else:
+                message = HEADERS_TOO_LARGE_MESSAGE.format(limit)
+                self._refuse(b"431 Request Header Fields Too Large", message)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -59,6 +89,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _arm(self) -> None:
+        self.header_bytes = 0
         self.header_timer = self.loop.call_later(
             settings.SWITCHYARD_HEADER_TIMEOUT_S, self._headers_timed_out
         )
@@ -74,10 +105,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being served (pipelined bytes began the next one)
-        body = json.dumps({"error": HEADER_TIMEOUT_MESSAGE}).encode()
+        self._refuse(b"408 Request Timeout", HEADER_TIMEOUT_MESSAGE)
+
+    def _refuse(self, status: bytes, message: str) -> None:
+        """Answer a request whose headers are unfinished (the app never saw it), and close."""
+        body = json.dumps({"error": message}).encode()
         self.transport.write(
-            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(body), body)
         )
         self.transport.close()
 
@@ -160,11 +195,55 @@ async def read_within(receive: Receive, timeout: float) -> Message | None:
     return message
 
 
+@functools.cache
+def body_times() -> tuple[float, float, float]:
+    """The body's bounds, read once per process (again when a test changes them): the gap
+    between two pieces, the deadline for the whole, and the seconds each byte received adds.
+    Every request reads them, and each read of a Django setting costs about a microsecond
+    (``LazySettings.__getattribute__``)."""
+    rate = settings.SWITCHYARD_BODY_MIN_RATE
+    per_byte = 1 / rate if rate > 0 else 0.0
+    return settings.SWITCHYARD_BODY_TIMEOUT_S, settings.SWITCHYARD_BODY_DEADLINE_S, per_byte
+
+
+@receiver(setting_changed)
+def _body_settings_changed(setting: str, **_: Any) -> None:
+    if setting.startswith("SWITCHYARD_BODY_"):
+        body_times.cache_clear()
+
+
+class BodyDeadline:
+    """The time a request body may still take, from its first read: each piece within
+    ``SWITCHYARD_BODY_TIMEOUT_S`` of the last, and the whole within
+    ``SWITCHYARD_BODY_DEADLINE_S`` plus a second for every ``SWITCHYARD_BODY_MIN_RATE`` bytes
+    received. The gap alone let a body sent a byte every 8 s hold its connection for ever (3,000
+    of 3,000 held); a total alone would cut off a large upload on a slow but honest link, so it
+    grows with what arrives, as Apache's ``mod_reqtimeout`` does: holding a connection costs a
+    client that rate."""
+
+    def __init__(self) -> None:
+        self.gap, self.allowed, self.per_byte = body_times()
+        self.started = time.monotonic()
+        self.late = ""  # why the body was cut off, once it was
+
+    async def read(self, receive: Receive) -> Message | None:
+        """The next message, or None when the body is too late (``late`` says how)."""
+        left = self.started + self.allowed - time.monotonic()
+        message = await read_within(receive, min(self.gap, left)) if left > 0 else None
+        if message is None:
+            if left > self.gap:
+                self.late = BODY_TIMEOUT_MESSAGE.format(self.gap)
+            else:
+                self.late = BODY_DEADLINE_MESSAGE.format(round(self.allowed, 1))
+            return None
+        self.allowed += len(message.get("body", b"")) * self.per_byte
+        return message
+
+
 def bound_body_reads(app: App) -> App:
     """Wrap an ASGI app so that an HTTP request body is bounded in time and size:
 
-    - waiting for its next piece takes at most ``SWITCHYARD_BODY_TIMEOUT_S`` (else 408; see
-      ``StalledReads``);
+    - it arrives within ``BodyDeadline`` (else 408);
     - it is at most ``SWITCHYARD_MAX_UPLOAD_BYTES`` (else 413, from its ``Content-Length``
       before any of it is read, or as soon as it passes that size): Django spools a body to
       disk before any view runs, so without this a client could fill the disk.
@@ -179,8 +258,8 @@ def bound_body_reads(app: App) -> App:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        timeout = settings.SWITCHYARD_BODY_TIMEOUT_S
         limit = settings.SWITCHYARD_MAX_UPLOAD_BYTES
+        deadline: BodyDeadline | None = None  # from the first read of the body
         body_done = False
         answered = False
         started = False
@@ -209,14 +288,15 @@ def bound_body_reads(app: App) -> App:
             return {"type": "http.disconnect"}
 
         async def bounded_receive() -> Message:
-            nonlocal body_done, size
+            nonlocal body_done, size, deadline
             if body_done or answered:
                 return await receive()
             if size == 0 and declared_length(scope) > limit:
                 return await refuse(413, TOO_LARGE_MESSAGE.format(limit))
-            message = await read_within(receive, timeout)
+            deadline = deadline or BodyDeadline()
+            message = await deadline.read(receive)
             if message is None:
-                return await refuse(408, BODY_TIMEOUT_MESSAGE.format(timeout))
+                return await refuse(408, deadline.late)
             size += len(message.get("body", b""))
             if size > limit:
                 return await refuse(413, TOO_LARGE_MESSAGE.format(limit))

@@ -11,6 +11,7 @@ model and each of its other aliases (``name@alias``). Errors use OpenAI's shape:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -26,11 +27,12 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from platform_site.tokens import bearer
 from registry.access import aliases_of, models_of
 from serving_agent.protocol import ChatTurn, TokenChunk
 
 from . import idempotency
-from .admission import authenticate
+from .admission import authenticate, watch_key
 from .errors import ApiError
 from .frontdoor import Call, serve
 from .generation import Chat, GenerateParams, Generation, StopString, start_generation
@@ -213,8 +215,10 @@ async def _answer(
         except BaseException:
             await generation.close()
             raise
+        raw_key = bearer(request.headers.get("Authorization"))
+        assert raw_key is not None  # it authenticated
         response = StreamingHttpResponse(
-            _events(generation, chunks, first, shape), content_type="text/event-stream"
+            _events(generation, chunks, first, shape, raw_key), content_type="text/event-stream"
         )
         response["Cache-Control"] = "no-cache"
     else:
@@ -224,7 +228,8 @@ async def _answer(
         response["x-switchyard-arm"] = generation.routed.arm
     kept = [(h, response[h]) for h in ("x-switchyard-version", "x-switchyard-arm") if h in response]
     if not body.stream:
-        await call.keep(response.status_code, kept, response.content)
+        for name, value in await call.keep(response.status_code, kept, response.content):
+            response[name] = value  # kept's own again, and Idempotency-Stored when not kept
     return response
 
 
@@ -289,10 +294,14 @@ async def _events(
     chunks: AsyncIterator[TokenChunk],
     head: TokenChunk | None,
     shape: _Shape,
+    raw_key: str,
 ) -> AsyncIterator[str]:
     """Server-sent events, from the first chunk (``head``, already received; None when the
     stream ended without one) on; a client that disconnects cancels the stream at the agent.
-    An error once the 200 is sent can only be an event (OpenAI does the same)."""
+    An error once the 200 is sent can only be an event (OpenAI does the same): so is a key
+    revoked while the stream runs, re-checked as the websocket's is (``admission.watch_key``),
+    which then cancels the stream at the agent."""
+    watch = asyncio.create_task(_end_when_key_lapses(generation, raw_key))
     try:
         first = True
         if head is not None:
@@ -305,8 +314,13 @@ async def _events(
         error = {"message": exc.message, "type": ERROR_TYPES.get(exc.status, "server_error")}
         yield _sse({"error": error | {"param": None, "code": None}})
     finally:
+        watch.cancel()
         await generation.close()
     yield "data: [DONE]\n\n"
+
+
+async def _end_when_key_lapses(generation: Generation, raw_key: str) -> None:
+    generation.fail(await watch_key(generation.state, raw_key))
 
 
 def _sse(payload: dict[str, Any]) -> str:

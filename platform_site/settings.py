@@ -123,6 +123,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: a view that needs the database while it is unreachable answers 503 + Retry-After.
+    "platform_site.db_outage.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -173,6 +175,18 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # (its -wal and -shm files take the database file's mode).
     private_file(Path(DATABASES["default"]["NAME"]))
     DATABASES["default"].setdefault("TEST", {})["NAME"] = str(SWITCHYARD_VAR_DIR / "test.sqlite3")
+# A connect to PostgreSQL gives up after this many seconds (libpq's minimum is 2; a
+# ``connect_timeout`` in DATABASE_URL wins). After a failed connect a process stops connecting
+# for SWITCHYARD_DB_RETRY_S (every request answers 503 with Retry-After at once), then one
+# connect probes: no shorter than the connect timeout, so a probe that stalls is not joined by
+# a second one (platform_site/postgres).
+SWITCHYARD_DB_CONNECT_TIMEOUT_S = env_int("SWITCHYARD_DB_CONNECT_TIMEOUT_S", 3)
+SWITCHYARD_DB_RETRY_S = env_float("SWITCHYARD_DB_RETRY_S", 3)
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "platform_site.postgres"
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "connect_timeout", SWITCHYARD_DB_CONNECT_TIMEOUT_S
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis: channel layer, shared rate-limit store and Celery broker ---------------------------
@@ -408,9 +422,19 @@ SWITCHYARD_MAX_BYTES_ELEMENT = env_int("SWITCHYARD_MAX_BYTES_ELEMENT", 64 * 1024
 SWITCHYARD_MAX_BYTES_TENSOR = env_int("SWITCHYARD_MAX_BYTES_TENSOR", 4 * 1024 * 1024)
 # Half-sent requests (gateway/http_bounds.py): the request line and headers must arrive
 # within this long of the connection (or the request) starting, and a body may pause at most
-# this long between two pieces; past either, 408 and the connection is closed.
+# this long between two pieces; past either, 408 and the connection is closed. Headers larger
+# than this get 431.
 SWITCHYARD_HEADER_TIMEOUT_S = env_float("SWITCHYARD_HEADER_TIMEOUT_S", 10)
+# At shutdown (SIGTERM) an idle keep-alive connection stays open this long, so a request its
+# client sent at that instant is answered instead of lost (gateway/drain.py).
+SWITCHYARD_DRAIN_IDLE_S = env_float("SWITCHYARD_DRAIN_IDLE_S", 1.0)
+SWITCHYARD_MAX_HEADER_BYTES = env_int("SWITCHYARD_MAX_HEADER_BYTES", 64 * 1024)
 SWITCHYARD_BODY_TIMEOUT_S = env_float("SWITCHYARD_BODY_TIMEOUT_S", 30)
+# A whole body must arrive within this long of its first read, plus a second for every
+# SWITCHYARD_BODY_MIN_RATE bytes received (bytes per second; 0: no allowance), else 408: a
+# body trickled in a byte at a time is cut off, an upload at least that fast is not.
+SWITCHYARD_BODY_DEADLINE_S = env_float("SWITCHYARD_BODY_DEADLINE_S", 30)
+SWITCHYARD_BODY_MIN_RATE = env_int("SWITCHYARD_BODY_MIN_RATE", 64 * 1024)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -452,14 +476,31 @@ SPECTACULAR_SETTINGS = {
 SWITCHYARD_IDEMPOTENCY_RETENTION_S = env_float("SWITCHYARD_IDEMPOTENCY_RETENTION_S", 24 * 3600)
 # Inference answers kept in process for Idempotency-Key retries without Redis (per process).
 SWITCHYARD_IDEMPOTENCY_CACHE_BYTES = env_int("SWITCHYARD_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024)
+# The largest answer body kept for Idempotency-Key retries. A larger one is sent once with
+# Idempotency-Stored: false: on inference its key is freed (a retry computes again); on the API
+# the call acted, so a retry gets its status and Location without the body (docs/operations.md).
+SWITCHYARD_IDEMPOTENCY_MAX_ANSWER_BYTES = env_int(
+    "SWITCHYARD_IDEMPOTENCY_MAX_ANSWER_BYTES", 1024 * 1024
+)
+# One tenant's kept inference answers together, in Redis (shared by every gateway process) and
+# in each process's own cache: past it the tenant's new answers are not kept (Idempotency-Stored:
+# false) and other tenants' still are. Redis's maxmemory (deploy/redis.conf) should hold
+# tenants x this, besides the queue and the channel layer.
+SWITCHYARD_IDEMPOTENCY_TENANT_BYTES = env_int(
+    "SWITCHYARD_IDEMPOTENCY_TENANT_BYTES", 16 * 1024 * 1024
+)
 # Deadline for one inference through an agent; past it the client gets 504.
 SWITCHYARD_INFER_TIMEOUT_S = env_float("SWITCHYARD_INFER_TIMEOUT_S", 10)
 # Circuit breakers (per agent link and per version): this many consecutive failures open one,
 # and for this long nothing is sent there; then one probe request decides (see gateway.breakers).
 SWITCHYARD_BREAKER_FAILURES = env_int("SWITCHYARD_BREAKER_FAILURES", 5)
 SWITCHYARD_BREAKER_COOLDOWN_S = env_float("SWITCHYARD_BREAKER_COOLDOWN_S", 5)
-# An open generation websocket re-checks its API key this often (a revoked key's streams stop).
-SWITCHYARD_WS_KEY_RECHECK_S = env_float("SWITCHYARD_WS_KEY_RECHECK_S", 2)
+# An open generation stream (websocket or OpenAI server-sent events) re-checks its API key
+# this often: a revoked or expired key's streams stop. (SWITCHYARD_WS_KEY_RECHECK_S, its name
+# while only websockets re-checked, is still read.)
+SWITCHYARD_STREAM_KEY_RECHECK_S = env_float(
+    "SWITCHYARD_STREAM_KEY_RECHECK_S", env_float("SWITCHYARD_WS_KEY_RECHECK_S", 2)
+)
 # How often each gateway process checks whether keys, routes or agents changed.
 SWITCHYARD_REFRESH_INTERVAL_S = env_float("SWITCHYARD_REFRESH_INTERVAL_S", 0.5)
 # Rate-limit tokens a gateway process leases from Redis at once (as a share of burst).

@@ -1,7 +1,7 @@
 """Bounded front doors, in process: each API key's requests in flight at once (OIP v2, the
-prediction API, OpenAI), OpenAI streams shed before the 200, and generation websockets that
-stop when their key is revoked. The real server's bounds (read timeouts, streamed uploads) are
-in tests/e2e/test_front_doors_e2e.py."""
+prediction API, OpenAI), OpenAI streams shed before the 200, and generation websockets and
+OpenAI streams that stop when their key is revoked. The real server's bounds (read timeouts,
+streamed uploads) are in tests/e2e/test_front_doors_e2e.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from gateway.api import predict_app, views
 from gateway.dispatch import AgentLink
 from gateway.state import GatewayState
 from platform_site.asgi import application
+from registry.models import ModelVersion
 from serving_agent._serving import result_frame
 from serving_agent.protocol import (
     GenerateRequest,
@@ -250,19 +251,30 @@ def test_an_openai_stream_past_the_keys_in_flight_limit_is_429_in_openais_shape(
 # Websockets: a revoked key stops its streams --------------------------------------------------
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_revoked_keys_websocket_stops_generating_and_closes(world, state, settings):
-    settings.SWITCHYARD_WS_KEY_RECHECK_S = 0.1
+@pytest.fixture
+def to_revoke(world, settings) -> tuple[ModelVersion, ApiKey, str]:
+    """A text generator, and a key of its own to revoke mid-stream, re-checked every 0.1 s."""
+    settings.SWITCHYARD_STREAM_KEY_RECHECK_S = 0.1
     version = make_textgen(make_model(world.a, "writer", task="generator"), max_output_tokens=64)
     key, raw = create_api_key(world.a, "to revoke")
+    return version, key, raw
+
+
+async def revoke(state: GatewayState, key: ApiKey) -> None:
+    await asyncio.to_thread(revoke_api_key, key)
+    state.clear_caches()  # what the refresh loop does once the revocation is seen
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_revoked_keys_websocket_stops_generating_and_closes(state, to_revoke):
+    version, key, raw = to_revoke
 
     async def scenario():
         agent = FakeAgent(state, version.pk, delay=0.05)  # 40 tokens: 2 s
         async with socket(raw) as ws:
             await ws.send_json_to({"type": "generate", "id": "g", "prompt": "x" * 40})
             await ws.receive_json_from(timeout=5)  # the first token
-            await asyncio.to_thread(revoke_api_key, key)
-            state.clear_caches()  # what the refresh loop does once the revocation is seen
+            await revoke(state, key)
             frames = []
             while True:
                 output = await ws.receive_output(timeout=5)
@@ -288,18 +300,16 @@ def test_a_revoked_keys_websocket_stops_generating_and_closes(world, state, sett
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_new_generate_frame_on_a_revoked_keys_socket_is_refused(world, state, settings):
-    settings.SWITCHYARD_WS_KEY_RECHECK_S = 60  # only the frame's own check can see it
-    version = make_textgen(make_model(world.a, "writer", task="generator"))
-    key, raw = create_api_key(world.a, "to revoke")
+def test_a_new_generate_frame_on_a_revoked_keys_socket_is_refused(state, to_revoke, settings):
+    version, key, raw = to_revoke
+    settings.SWITCHYARD_STREAM_KEY_RECHECK_S = 60  # only the frame's own check can see it
 
     async def scenario():
         agent = FakeAgent(state, version.pk)
         async with socket(raw) as ws:
             await ws.send_json_to({"type": "generate", "id": "before", "prompt": "ok"})
             before = await frames_until_end(ws, "before")
-            await asyncio.to_thread(revoke_api_key, key)
-            state.clear_caches()
+            await revoke(state, key)
             await ws.send_json_to({"type": "generate", "id": "after", "prompt": "ok"})
             refused = await ws.receive_json_from(timeout=5)
             closed = await ws.receive_output(timeout=5)
@@ -309,6 +319,47 @@ def test_a_new_generate_frame_on_a_revoked_keys_socket_is_refused(world, state, 
     assert before[-1]["type"] == "done" and len(agent.requests) == 1
     assert refused["code"] == "unauthorized" and "revoked" in refused["message"]
     assert closed == {"type": "websocket.close", "code": generate_ws.CLOSE_UNAUTHORIZED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_revoked_keys_openai_stream_ends_with_an_error_event(state, to_revoke):
+    version, key, raw = to_revoke
+
+    async def scenario():
+        from django.test import AsyncClient
+
+        agent = FakeAgent(state, version.pk, delay=0.05)  # 40 tokens: 2 s
+        body = {"model": "writer", "prompt": "x" * 40, "max_tokens": 40, "stream": True}
+        response = await AsyncClient().post(
+            "/v1/completions",
+            body,
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {raw}"},
+        )
+        events = aiter(response.streaming_content)
+        first = await anext(events)  # the first token
+        await revoke(state, key)
+        started = asyncio.get_running_loop().time()
+        rest = [part.decode() async for part in events]
+        ended_after = asyncio.get_running_loop().time() - started
+        await asyncio.sleep(0.05)
+        return agent, first.decode(), rest, ended_after
+
+    agent, first, rest, ended_after = async_to_sync(scenario)()
+    assert '"text": "X"' in first
+    payloads = [json.loads(e.removeprefix("data: ")) for e in rest[:-1]]
+    assert payloads[-1] == {
+        "error": {
+            "message": "the API key was revoked",
+            "type": "authentication_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert rest[-1] == "data: [DONE]\n\n"
+    assert len(payloads) < 39 and ended_after < 1.5  # well before the 2 s the stream would take
+    assert agent.cancelled == [agent.requests[0].id]  # stopped at the agent, not just here
+    assert state.in_flight.counts == {}
 
 
 @pytest.mark.django_db

@@ -410,7 +410,7 @@ def test_the_playground_streams_with_the_signed_in_session(writer, state, client
 
     async def scenario():
         FakeAgent(state(), writer.version.pk)
-        same_site = [cookie, (b"origin", b"http://localhost:8000")]
+        same_site = [cookie, (b"host", b"localhost:8000"), (b"origin", b"http://localhost:8000")]
         async with socket(None, headers=same_site) as ws:
             await ws.send_json_to({"type": "generate", "id": "p", "prompt": "hi"})
             done = (await frames_until_end(ws, "p"))[-1]

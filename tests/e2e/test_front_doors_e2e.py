@@ -1,13 +1,15 @@
 """Bounded front doors against a real uvicorn server, over raw sockets: headers that never
-finish and bodies that stop arriving get 408 and a closed connection, in the front door's own
-error shape; a slow but steady client and a keep-alive connection are still served; an upload
-past the size limit is refused before it is read; and a 64 MB artifact upload leaves the
-server's memory where it was (the upload is spooled to disk, hashed in chunks, checked in a
-child process and moved into storage)."""
+finish (or trickle in) and bodies that stop arriving or trickle in get 408 and a closed
+connection, in the front door's own error shape; headers past their size get 431; a slow but
+steady client and a keep-alive connection are still served; an upload past the size limit is
+refused before it is read; and a 64 MB artifact upload leaves the server's memory where it was
+(the upload is spooled to disk, hashed in chunks, checked in a child process and moved into
+storage)."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from pathlib import Path
@@ -23,6 +25,9 @@ from .harness import Proc, create_tenant, embedded_backend, free_port, start_ser
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 1.0
+DEADLINE_S = 2.0  # a whole body, plus a second per MIN_RATE bytes received
+MIN_RATE = 1000
+MAX_HEADER_BYTES = 16 * 1024
 MAX_ARTIFACT_BYTES = 100 * 1024 * 1024
 # Peak RSS growth allowed for a 64 MB upload: the parts and buffers Django reads in (64 KB
 # chunks, an 8 MB spool), not the file. Before uploads streamed, it grew by over twice the file.
@@ -45,6 +50,9 @@ def server(tmp_path_factory):
     backend.env.update(
         SWITCHYARD_HEADER_TIMEOUT_S=str(TIMEOUT_S),
         SWITCHYARD_BODY_TIMEOUT_S=str(TIMEOUT_S),
+        SWITCHYARD_BODY_DEADLINE_S=str(DEADLINE_S),
+        SWITCHYARD_BODY_MIN_RATE=str(MIN_RATE),
+        SWITCHYARD_MAX_HEADER_BYTES=str(MAX_HEADER_BYTES),
         SWITCHYARD_MAX_ARTIFACT_BYTES=str(MAX_ARTIFACT_BYTES),
     )
     key = create_tenant(backend, "alpha")
@@ -59,7 +67,10 @@ def server(tmp_path_factory):
     backend.close()
 
 
-def read_all(conn: socket.socket) -> tuple[bytes, float]:
+Answer = tuple[bytes, float]  # what the server sent until it closed, and after how long
+
+
+def read_all(conn: socket.socket) -> Answer:
     """Everything the server sends until it closes the connection, and how long that took."""
     started = time.monotonic()
     got = b""
@@ -73,13 +84,42 @@ def status_and_body(raw: bytes) -> tuple[int, dict]:
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
+def trickle(conns: list[socket.socket], every_s: float, limit_s: float) -> list[Answer]:
+    """Send each connection a space every ``every_s`` (never long enough apart for the gap
+    timeout) until the server answers it; what each got, and after how long."""
+    started = time.monotonic()
+    answered: dict[socket.socket, Answer] = {}
+    while len(answered) < len(conns) and time.monotonic() - started < limit_s:
+        waiting = [c for c in conns if c not in answered]
+        readable, _, _ = select.select(waiting, [], [], every_s)
+        for conn in waiting:
+            if conn in readable:  # the answer: read it to the close
+                got, _ = read_all(conn)
+                answered[conn] = (got, time.monotonic() - started)
+            else:
+                conn.sendall(b" ")
+    return [answered.get(c, (b"", limit_s)) for c in conns]
+
+
 def test_headers_that_never_finish_get_408_and_the_connection_is_closed(server):
+    # A byte at a time: the header timeout runs from the connection's start, not the last byte.
     with server.connect() as conn:
-        conn.sendall(b"POST /v2/models/clf/infer HTTP/1.1\r\nHost: localhost\r\nContent-Le")
-        raw, waited = read_all(conn)
+        conn.sendall(b"POST /v2/models/clf/infer HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        ((raw, waited),) = trickle([conn], 0.2, TIMEOUT_S + 5)
     status, body = status_and_body(raw)
     assert status == 408 and body == {"error": "the request headers did not arrive in time"}
-    assert TIMEOUT_S * 0.9 <= waited < TIMEOUT_S + 5
+    assert TIMEOUT_S * 0.9 <= waited < TIMEOUT_S + 2
+
+
+def test_headers_past_their_size_get_431_and_the_connection_is_closed(server):
+    with server.connect() as conn:
+        conn.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
+        conn.sendall(b"a" * (MAX_HEADER_BYTES + 1))
+        raw, _ = read_all(conn)
+    status, body = status_and_body(raw)
+    assert status == 431 and body == {
+        "error": f"the request headers are larger than the limit of {MAX_HEADER_BYTES} bytes"
+    }
 
 
 def test_a_connection_that_sends_nothing_is_closed(server):
@@ -114,15 +154,47 @@ def test_a_body_that_stops_arriving_gets_408_in_the_front_doors_shape(server, pa
     assert "Traceback" not in server.proc.log()
 
 
+def test_a_body_that_trickles_in_gets_408_within_the_deadline_on_every_door(server):
+    doors = {  # each door's path, and whether it answers in OpenAI's shape
+        "/v2/models/clf/infer": False,
+        "/api/v1/models/clf/predict": False,
+        "/api/v1/models": False,
+        "/v1/completions": True,
+        "/v1/embeddings": True,
+    }
+    conns = [server.connect() for _ in doors]
+    for conn, path in zip(conns, doors, strict=True):
+        conn.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {server.key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+        )
+    try:
+        answers = trickle(conns, TIMEOUT_S * 0.3, DEADLINE_S + 5)
+    finally:
+        for conn in conns:
+            conn.close()
+    for (raw, waited), (path, openai) in zip(answers, doors.items(), strict=True):
+        status, body = status_and_body(raw)
+        assert status == 408 and b"connection: close" in raw.lower(), path
+        message = body["error"]["message"] if openai else body["error"]
+        assert message == (
+            f"the request body arrived too slowly: not complete within {DEADLINE_S:g} s"
+        )
+        assert DEADLINE_S * 0.9 <= waited < DEADLINE_S + 2, path
+    assert "Traceback" not in server.proc.log()
+
+
 def test_a_slow_but_steady_client_and_a_keep_alive_connection_are_served(server):
-    body = json.dumps({"name": "steady", "task": "classifier"}).encode()
+    # Padded so that the body, at 1,000 bytes/s, takes longer than the body deadline's base:
+    # what arrives extends it.
+    body = json.dumps({"name": "steady", "task": "classifier"}).encode().ljust(3000)
     head = (
         f"POST /api/v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {server.key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     with server.connect() as conn:
-        # Each piece comes within the timeout, the whole well past it.
-        for piece in (head[:20], head[20:], body[:10], body[10:]):
+        # Each piece comes within the timeout, the whole well past it and past DEADLINE_S.
+        for piece in (head[:20], head[20:], *(body[i : i + 600] for i in range(0, 3000, 600))):
             conn.sendall(piece)
             time.sleep(TIMEOUT_S * 0.6)
         created = conn.recv(65536)
