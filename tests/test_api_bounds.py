@@ -62,3 +62,27 @@ def test_a_number_past_the_maximum_is_a_400_naming_it(world, onnx_bytes, query):
         assert answer.status_code == 400, (value, answer.content[:200])
         assert query in answer.json()["fields"]
     assert api.get(f"/api/v1/models/clf/predictions?{query}={MAX_INT}").status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/rollouts/{n}",
+        "/api/v1/models/clf/versions/{n}",
+        "/api/v1/alerts/{n}",
+        "/jobs/{n}/",
+        "/keys/{n}/revoke/",
+    ],
+)
+def test_an_id_in_the_path_past_the_maximum_is_a_404(world, onnx_bytes, path, client):
+    """A path's whole number is an id: past ``MAX_INT`` no row can have it (404), never the
+    database's overflow as a 500."""
+    make_version(make_model(world.a, "clf"), onnx_bytes)
+    api = key_client(world.key_a)
+    client.force_login(world.engineer_a)
+    for value in (MAX_INT + 1, 2**63, 2**64, 10**40):
+        url = path.format(n=value)
+        http = api if url.startswith("/api/") else client
+        answer = http.post(url) if url.endswith("revoke/") else http.get(url)
+        assert answer.status_code == 404, (url, answer.status_code, answer.content[:200])
