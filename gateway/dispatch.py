@@ -275,6 +275,7 @@ class AgentPool:
         self.remote_spot: set[str] = set()
         self.remote_sender: Callable[[str, bytes], Awaitable[None]] | None = None
         self._remote_pending: dict[int, asyncio.Future[AgentReply]] = {}
+        self._remote_channel: dict[int, str] = {}  # where each forwarded request went
         self._remote_streams: dict[int, StreamInbox] = {}
         # Requests sent on a link held here, forwarded through the channel layer, and sent
         # again to another replica after the first could not take them.
@@ -345,6 +346,19 @@ class AgentPool:
         self._mixed = {
             vid for vid, links in index.items() if len({link.spot for link in links}) > 1
         }
+
+    def set_remote(self, remote: dict[int, list[str]]) -> None:
+        """The agents other processes hold, per version (the refresh loop's). A forwarded
+        request whose agent is no longer listed there (the process holding its connection
+        died, so the agent's session closed or was superseded) fails now, 502 with a retry
+        hint, instead of at its deadline: no answer can come back."""
+        self.remote = remote
+        listed = {channel for channels in remote.values() for channel in channels}
+        for request_id, channel in list(self._remote_channel.items()):
+            fut = self._remote_pending.get(request_id)
+            if channel not in listed and fut is not None and not fut.done():
+                reason = "the gateway process holding the serving agent's connection went away"
+                fut.set_exception(DispatchError(502, reason, 1, transport=True))
 
     def is_ready(self, version_id: int) -> bool:
         return bool(self._by_version.get(version_id) or self.remote.get(version_id))
@@ -436,6 +450,7 @@ class AgentPool:
             self._remote_pending[request.id] = fut
             self.dispatched["forwarded"] += 1
             channel = random.choice(self._remote_choice(channels, priority))
+            self._remote_channel[request.id] = channel
             send = partial(self.remote_sender, channel)
             try:
                 await self._send(send, frame)
@@ -446,6 +461,7 @@ class AgentPool:
                 raise
             finally:
                 self._remote_pending.pop(request.id, None)
+                self._remote_channel.pop(request.id, None)
         links = self._by_version.get(version_id)
         if links:  # every agent serving it here has its breaker open
             now = time.monotonic()

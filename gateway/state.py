@@ -362,7 +362,7 @@ class GatewayState:
             if agent.channel_name not in local:
                 for vid in agent.ready:
                     remote.setdefault(vid, []).append(agent.channel_name)
-        self.pool.remote = remote
+        self.pool.set_remote(remote)
         self.pool.remote_spot = {a.channel_name for a in agents if a.spot}
         if remote and self._reply_task is None:
             await self._start_reply_listener(layer)

@@ -296,6 +296,25 @@ def test_a_forwarded_request_lost_on_the_way_never_opens_the_version_breaker(
         assert v1.pk not in state.version_breakers
 
 
+def test_a_forwarded_request_fails_at_once_when_its_agent_leaves_the_listing(world, state, rng):
+    """The process holding the agent's connection died mid-request: once the refresh no longer
+    lists that agent, the forwarded request answers 502 with a retry hint, not at its deadline
+    (2 s here), and the version's breaker counts nothing."""
+    v1 = make_version(make_model(world.a, "clf"), V1)
+    pool = state.pool
+
+    async def forward(channel: str, frame: bytes) -> None:  # sent, never answered
+        asyncio.get_running_loop().call_later(0.1, pool.set_remote, {})
+
+    pool.remote_sender = forward
+    pool.set_remote({v1.pk: ["elsewhere"]})
+    started = time.monotonic()
+    status, headers, _ = infer(world.key_a, rng.normal(size=(1, 4)).astype(np.float32))
+    assert status == 502 and headers["retry-after"] == "1"
+    assert time.monotonic() - started < 1.0
+    assert v1.pk not in state.version_breakers
+
+
 # Retries and agent links ----------------------------------------------------------------------
 
 
