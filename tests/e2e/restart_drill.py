@@ -240,14 +240,13 @@ def run_drill(
         for name, fault in faults:
             rows.append(_fault_and_recover(load, name, fault, steady_s))
             say(f"{name}: recovered in {rows[-1].recover_s:.1f} s")
-    finally:
         load.stop()
-    time.sleep(3)  # the writers flush every second
-    try:
+        time.sleep(3)  # the writers flush every second
         answered = sum(status == 200 for _, status in load.outcomes)
         logged = backend.query("SELECT count(*) FROM gateway_predictionlog WHERE status = 200")
     finally:
-        supervised.stop()
+        load.stop()
+        supervised.stop()  # whatever failed: no platform is left running
     return Result(rows, answered, int(logged[0][0]), load.said)
 
 
