@@ -28,17 +28,66 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serving_agent.protocol import AGENT_WS_PATH
 
+# How long a connection answered before its request body was read (a 408 or 413) keeps
+# reading, and dropping, what its client still sends (nginx's lingering_close).
+LINGER_S = 2.0
+
+
+class _Lingering:
+    """A connection's transport as uvicorn's request cycle sees it, with ``close`` made
+    lingering (``DrainingHttp.close_lingering``); everything else is the transport's."""
+
+    def __init__(self, protocol: DrainingHttp, transport: asyncio.Transport) -> None:
+        self._protocol, self._transport = protocol, transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_lingering(self._transport)
+
 
 class DrainingHttp(HttpToolsProtocol):
     """uvicorn's httptools protocol, whose idle connections outlive the shutdown's start by
-    ``SWITCHYARD_DRAIN_IDLE_S`` (see the module's docstring)."""
+    ``SWITCHYARD_DRAIN_IDLE_S`` (see the module's docstring), and whose answer given before
+    its request's body was read (a 408 past the body deadline, a 413) reaches the client: a
+    plain close with the client's bytes unread makes the kernel send a reset, which can
+    overtake the answer, and the client then sees a reset connection instead of the 408."""
 
     draining = False
+    lingering = False
     idle_close: asyncio.TimerHandle | None = None
+    linger_close: asyncio.TimerHandle | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ws_protocol_class = draining_websockets(self.ws_protocol_class)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = _Lingering(self, transport)  # type: ignore[assignment]
+
+    def close_lingering(self, transport: asyncio.Transport) -> None:
+        """Close; but while the request's body is still arriving, first send the answer and
+        an end of stream, and drop what the client sends for ``LINGER_S``."""
+        cycle = self.cycle
+        if (
+            self.lingering
+            or cycle is None
+            or not cycle.more_body
+            or transport.is_closing()
+            or not transport.can_write_eof()
+        ):
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()  # after the answer still buffered
+        self.linger_close = self.loop.call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a body already answered: dropped
+        super().data_received(data)
 
     def shutdown(self) -> None:
         self.draining = True
@@ -59,9 +108,10 @@ class DrainingHttp(HttpToolsProtocol):
             self.cycle.keep_alive = False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.idle_close is not None:
-            self.idle_close.cancel()
-            self.idle_close = None
+        for timer in (self.idle_close, self.linger_close):
+            if timer is not None:
+                timer.cancel()
+        self.idle_close = self.linger_close = None
         super().connection_lost(exc)
 
 
