@@ -13,41 +13,29 @@ PostgreSQL and Redis from DATABASE_URL and REDIS_URL).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.harness import embedded_backend, services_available, services_backend  # noqa: E402
+from tests.e2e.harness import drill_heading, run_drill_on  # noqa: E402
 from tests.e2e.restart_drill import CONCURRENCY, run_drill, table  # noqa: E402
+
+DEFAULT = "services"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["embedded", "services"], default="services")
+    parser.add_argument("--backend", choices=["embedded", "services"], default=DEFAULT)
     args = parser.parse_args()
-    if args.backend == "services" and not services_available():
-        parser.error("--backend services needs DATABASE_URL (PostgreSQL) and REDIS_URL")
-    tmp = Path(tempfile.mkdtemp(prefix="sy-drill-"))
-    make = services_backend if args.backend == "services" else embedded_backend
-    backend = make(tmp)
-    try:
-        result = run_drill(backend, say=lambda line: print(f"# {line}", file=sys.stderr))
-    finally:
-        backend.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(
-        f"Backend {args.backend}, {when}, {platform.node()} ({os.cpu_count()} CPUs), "
-        f"{CONCURRENCY} client threads, two web workers:\n"
-    )
+    result = run_drill_on(args.backend, lambda backend: run_drill(backend, say=_say))
+    print(drill_heading(args.backend, f"{CONCURRENCY} client threads, two web workers"))
     print(table(result))
+
+
+def _say(line: str) -> None:
+    print(f"# {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ Celery, each on a backend: the embedded default (SQLite, no Redis) or PostgreSQL
 from __future__ import annotations
 
 import atexit
+import datetime
 import fcntl
 import itertools
 import json
 import os
+import platform
 import re
 import secrets
 import select
@@ -529,3 +531,24 @@ def allow_weight(backend: Backend, slug: str, percent: float) -> None:
     """Let the tenant's canaries carry ``percent`` without approval (the rollout policy's
     default is 10 %): for tests of routing and guardrails, not of approvals."""
     backend.shell(_weight_code(slug, float(percent)))
+
+
+def run_drill_on(backend_name: str, drill: Callable[[Backend], Any]) -> Any:
+    """A bench drill's run: a backend of its own ("embedded" or "services"), in a folder
+    removed afterwards, closed whatever the drill does; returns what the drill returns."""
+    if backend_name == "services" and not services_available():
+        raise SystemExit("--backend services needs DATABASE_URL (PostgreSQL) and REDIS_URL")
+    tmp = Path(tempfile.mkdtemp(prefix="sy-drill-"))
+    make = services_backend if backend_name == "services" else embedded_backend
+    backend = make(tmp)
+    try:
+        return drill(backend)
+    finally:
+        backend.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def drill_heading(backend_name: str, what: str) -> str:
+    """The line above a drill's table: backend, when, which machine, and the load."""
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"Backend {backend_name}, {when}, {platform.node()} ({os.cpu_count()} CPUs), {what}:\n"
