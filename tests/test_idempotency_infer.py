@@ -147,15 +147,19 @@ def test_a_retry_while_the_first_runs_gets_409(served):
 
     async def scenario() -> tuple[Reply, Reply]:
         held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reached = asyncio.Event()
         answer = served.agent.receive
 
         async def hold_then_answer(message: bytes) -> None:
+            reached.set()
             await held
             await answer(message)
 
         served.agent.link.send_message = hold_then_answer
         first = asyncio.ensure_future(send(OIP, BODY, served.key_a, "slow"))
-        await asyncio.sleep(0.3)
+        # The retry goes once the first holds the key (it reached the agent), however slow the
+        # machine: a fixed pause let a loaded CI send the retry first, which then waited.
+        await asyncio.wait_for(reached.wait(), 10)
         second = await send(OIP, BODY, served.key_a, "slow")
         held.set_result(None)
         return await first, second
