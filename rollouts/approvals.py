@@ -397,6 +397,22 @@ def promote_when_approved(
             req.save(update_fields=["state"])
             return True, f"promoted: approved request #{req.pk}"
         if req is None:
+            # One open promotion request per alias: one a person opened outside the plan (a
+            # move of the alias) is decided first, and the plan asks at its next look.
+            other = (
+                ApprovalRequest.objects.filter(
+                    model=locked.model,
+                    alias=locked.alias,
+                    kind=RequestKind.PROMOTION,
+                    state__in=["pending", "approved"],
+                )
+                .exclude(plan=locked)
+                .first()
+            )
+            if other is not None:
+                note = f"{ready}: waiting until request #{other.pk} on {locked.alias} is decided"
+                RolloutPlan.objects.filter(pk=locked.pk).update(status_note=note[:300])
+                return False, note
             req = request_promotion(
                 locked.model, None, GUARDRAILS, alias=locked.alias, comment=reason, plan=locked
             )
