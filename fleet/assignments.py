@@ -9,9 +9,10 @@ import logging
 from typing import Literal, cast
 
 from django.conf import settings
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.db.models.fields.files import FieldFile
 
+from registry.graphs import agent_version_ids
 from registry.models import ModelVersion
 from registry.services import served_versions
 from rollouts.routing import versions_in_active_plans
@@ -136,19 +137,21 @@ def version_spec(version: ModelVersion) -> VersionSpec:
         if version.tokenizer
         else "",
         tokenizer_sha256=version.tokenizer_sha256,
+        tenant_id=version.model.tenant_id,
     )
 
 
 def scope_versions(node: Node) -> QuerySet[ModelVersion]:
     """Every version served within a node's tenant scope: those an alias points at, those an
-    active rollout plan routes or copies to, and those with a deployment."""
+    active rollout plan routes or copies to, and those with a deployment; a graph among them
+    stands for the versions its nodes name (the gateway runs the graph itself)."""
     in_plans = versions_in_active_plans(node.tenant_id)
     aliased = served_versions(node.tenant_id).values_list("pk", flat=True)
     deployed = Deployment.objects.values_list("version_id", flat=True)
     if node.tenant_id is not None:
         deployed = deployed.filter(tenant_id=node.tenant_id)
-    wanted = Q(pk__in=list(aliased)) | Q(pk__in=in_plans) | Q(pk__in=list(deployed))
-    return ModelVersion.objects.filter(wanted).select_related("model").order_by("pk")
+    wanted = agent_version_ids({*aliased, *in_plans, *deployed})
+    return ModelVersion.objects.filter(pk__in=wanted).select_related("model").order_by("pk")
 
 
 def assigned_versions(node: Node, session: AgentSession) -> list[ModelVersion]:

@@ -4,7 +4,8 @@ signature is, what OIP metadata calls the runtime that serves it, and everything
 platform does differently for it. Code elsewhere asks this table, never compares format names.
 
 The agent has the other half (``serving_agent.formats``: how a format is loaded and run);
-``tests/test_formats.py`` checks that both tables hold the same formats. Adding a format is one
+``tests/test_formats.py`` checks that both tables hold the same formats (but a composed one,
+a graph, which runs on the gateway and which no agent loads). Adding a format is one
 entry here, one there, and their tests (``docs/runtimes.md``, "Adding a model format").
 """
 
@@ -15,16 +16,26 @@ import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from django.core.files.base import File
 
+from serving_agent.package import Package, PackageError, read_member, read_package
 from serving_agent.torch_archive import ArchiveError, read_archive
 
+from .graph_spec import Lookup, check_document, compose_upload
 from .hf_artifact import check_hf_archive, hf_weights
 from .signature import SignatureError, read_onnx_signature, read_onnx_signature_from_file
 from .uploads import contents, on_disk
-from .weights import Weights, non_finite, safetensors_weights, torch_weights
+from .weights import (
+    Tensor,
+    Weights,
+    non_finite,
+    onnx_weights,
+    safetensors_weights,
+    torch_weights,
+)
 
 # A version's inputs and outputs, as stored on ModelVersion: [{"name", "datatype", "shape"}].
 Signature = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -57,6 +68,20 @@ class Format:
     tokenizes_on_agent: bool = False
     takes_tokenizer: bool = False  # a tokenizer.json may be attached, making it take text
     quantizable: bool = False  # registry.quantize can make an INT8 variant of it
+    # The artifact names its own features (a python package's manifest): the version's
+    # feature names when the upload declares none.
+    features: Callable[[File[bytes]], list[str]] | None = None
+    # Composed of other versions of the same tenant (a graph, docs/graphs.md) and run by the
+    # gateway, which sends each of them to the agents like any request: no agent loads such a
+    # version, so the agent's table has no entry for it. ``check`` then reads the document
+    # alone; ``compose`` checks it against the versions it names (the lookup, tenant-scoped)
+    # and gives the signature, derived from them, and what the version keeps in ``lineage``.
+    compose: Callable[[File[bytes], Lookup], tuple[Signature, dict[str, Any]]] | None = None
+
+    @property
+    def runs_on_agent(self) -> bool:
+        """An agent loads and runs versions of this format (every format but a composed one)."""
+        return self.compose is None
 
 
 def _check_onnx(upload: File[bytes]) -> Signature:
@@ -105,6 +130,73 @@ def _check_torch(upload: File[bytes]) -> Signature:
     upload.seek(0)
     refuse_non_finite(torch_weights(path or upload, archive.root))
     return archive.inputs, archive.outputs
+
+
+def _read_package(upload: File[bytes]) -> Package:
+    path = on_disk(upload)
+    upload.seek(0)
+    try:
+        return read_package(Path(path) if path is not None else upload)
+    except PackageError as exc:
+        raise SignatureError(exc.field, exc.message) from None
+
+
+def _check_python(upload: File[bytes]) -> Signature:
+    """A python package (``serving_agent.package``): its layout, manifest and pinned
+    requirements are checked, nothing in it runs here (its code runs only in an agent's
+    sandboxed worker); the signature is the manifest's. Weights it holds in a format the
+    registry reads (``.onnx``, ``.safetensors``) are judged like an upload of that format;
+    others are the package's own business."""
+    package = _read_package(upload)
+    if package.manifest.generates:
+        raise SignatureError(
+            "model.generates",
+            "this package generates text (generates = true): upload it with "
+            "format=python_generator",
+        )
+    refuse_non_finite(_package_weights(upload, package))
+    manifest = package.manifest
+    return [t.as_dict() for t in manifest.inputs], [t.as_dict() for t in manifest.outputs]
+
+
+def _check_python_generator(upload: File[bytes]) -> Signature:
+    """A python package whose class streams text (``generate``, docs/custom-code.md,
+    "Streaming text"): checked as ``_check_python`` checks, its manifest saying
+    ``generates = true``; its signature is every generative version's."""
+    package = _read_package(upload)
+    if not package.manifest.generates:
+        raise SignatureError(
+            "model.generates",
+            "a python_generator package says generates = true in its [model] table (a package "
+            "answering batches is format=python)",
+        )
+    refuse_non_finite(_package_weights(upload, package))
+    return TEXTGEN_INPUTS, TEXTGEN_OUTPUTS
+
+
+def _package_weights(upload: File[bytes], package: Package) -> Weights:
+    import onnx  # only for packages holding a graph
+
+    path = on_disk(upload)
+    for member in package.members:
+        if not member.name.endswith((".onnx", ".safetensors")):
+            continue
+        upload.seek(0)
+        source = Path(path) if path is not None else upload
+        data = read_member(source, package, member.name, member.size)
+        if member.name.endswith(".onnx"):
+            try:
+                weights = onnx_weights(onnx.load_model_from_string(data))
+            except Exception as exc:  # noqa: BLE001 - protobuf's errors have no common base
+                raise SignatureError(member.name, f"not a readable ONNX graph: {exc}") from None
+        else:
+            weights = safetensors_weights(io.BytesIO(data))
+        for tensor in weights:
+            yield Tensor(f"{member.name}:{tensor.name}", tensor.size, tensor.pieces)
+
+
+def _python_features(upload: File[bytes]) -> list[str]:
+    return list(_read_package(upload).manifest.features)
 
 
 def refuse_non_finite(weights: Weights) -> None:
@@ -165,6 +257,41 @@ FORMATS: dict[str, Format] = {
             platform="pytorch",
             check=_check_torch,
             extension="pt2",
+        ),
+        # A team's own code (docs/custom-code.md): a package with a class whose load/predict
+        # (or preprocess/predict/postprocess) the agent runs in a sandboxed worker process, in
+        # an environment built from the package's pinned requirements. Stored as uploaded (a
+        # zip or a tar, compressed or not).
+        Format(
+            "python",
+            "Python package (your own code)",
+            platform="switchyard_python",
+            check=_check_python,
+            extension="pypkg",
+            features=_python_features,
+        ),
+        # The same, for a package whose class streams text: its ``generate`` yields strings,
+        # one token each, over the websocket and the OpenAI routes like the built-in
+        # generators. The prompt's tokens are counted by the gateway (UTF-8 bytes).
+        Format(
+            "python_generator",
+            "Python package generating text (your own code)",
+            platform="switchyard_python",
+            check=_check_python_generator,
+            extension="pypkg",
+            generates_text=True,
+        ),
+        # Other versions of the same tenant composed as a sequence, an ensemble or a switch: a
+        # JSON document (docs/graphs.md), run on the gateway node by node, each node dispatched
+        # like any request. It names its nodes by model and version or alias, so it is checked
+        # against the registry at upload (``compose``), never loaded by an agent.
+        Format(
+            "graph",
+            "Inference graph (JSON)",
+            platform="switchyard_graph",
+            check=check_document,
+            extension="json",
+            compose=compose_upload,
         ),
     )
 }

@@ -188,7 +188,7 @@ class ModelVersion(models.Model):
     artifact = models.FileField(upload_to=artifact_path, max_length=300)
     sha256 = models.CharField(max_length=64)
     # Its entry in registry.formats.FORMATS says how it is checked, served and described.
-    format = models.CharField(max_length=10, choices=format_choices)
+    format = models.CharField(max_length=32, choices=format_choices)
     # Signature: [{"name", "datatype" (OIP v2), "shape" (-1 = dynamic)}]
     inputs = models.JSONField()
     outputs = models.JSONField()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -23,6 +24,7 @@ from .access import version_for
 from .formats import DEFAULT_FORMAT, format_of, labels_where
 from .formats import TEXTGEN_INPUTS as TEXTGEN_INPUTS  # re-exported: tests and tools import it
 from .formats import TEXTGEN_OUTPUTS as TEXTGEN_OUTPUTS
+from .graphs import node_target
 from .models import MAX_ROLLBACK_WARM_S, Alias, AliasChange, Model, ModelVersion
 from .signature import (
     SignatureError,
@@ -134,6 +136,13 @@ def create_version(
         )
     fmt = format_of(format)
     real_inputs, real_outputs = fmt.check(upload)
+    if fmt.compose is not None:
+        # Composed of this tenant's own versions: checked against them as the tenant sees them
+        # (another tenant's model is "not found"), and its signature is derived from theirs.
+        (real_inputs, real_outputs), kept = fmt.compose(
+            upload, partial(node_target, model.tenant_id)
+        )
+        details["lineage"] = {**(details.get("lineage") or {}), **kept}
     tokenizer_file = None
     if tokenizer is not None:
         if not fmt.takes_tokenizer:
@@ -151,6 +160,8 @@ def create_version(
         outputs = with_artifact_parameters(outputs, real_outputs)
     inputs = inputs or real_inputs
     outputs = outputs or real_outputs
+    if not feature_names and fmt.features is not None:
+        feature_names = fmt.features(upload)
     feature_names = feature_names or []
     _check_feature_names(feature_names, inputs)
     parent = details.pop("parent", None)

@@ -432,9 +432,17 @@ class Batcher:
         finally:
             self._running = []
         ended = time.perf_counter()
+        # Rows the model failed on their own (a python package's ``Partial``): the requests
+        # holding them fail, the others get their rows.
+        row_errors: dict[int, str] = getattr(outputs, "row_errors", {})
         start = 0
         for p in group:
             p.queue_s, p.compute_s = started - p.queued, ended - started
-            if not p.future.done():
+            failed = [row_errors[r] for r in range(start, start + p.rows) if r in row_errors]
+            if p.future.done():
+                pass
+            elif failed:
+                p.future.set_exception(BadInput(f"the model refused this input: {failed[0]}"))
+            else:
                 p.future.set_result([out[start : start + p.rows] for out in outputs])
             start += p.rows

@@ -25,7 +25,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from ._generate import SendFrames  # imports torch; loaded only for textgen versions
+    from ._streaming import SendFrames
 
 logger = logging.getLogger(__name__)
 

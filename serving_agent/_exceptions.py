@@ -47,5 +47,12 @@ class NotLoaded(AgentError):
     code: ErrorCode = "not_loaded"
 
 
+class ModelFailed(AgentError):
+    """A version's own code failed a batch: a ``python`` package's handler raised, or its
+    worker crashed, overran its deadline or its memory and was killed (a 500 naming why)."""
+
+    code: ErrorCode = "internal"
+
+
 class ChecksumMismatch(AgentError):
     """A downloaded artifact whose sha256 is not the one the platform promised."""

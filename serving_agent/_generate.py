@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,15 @@ from ._batcher import SchedCounts
 from ._compute import ComputeMeter, RunTotals
 from ._exceptions import BadInput, NotLoaded, Overloaded
 from ._generation_stats import GenerationStats
+
+# Shared with the python generator's engine, without torch; exported here as before.
+from ._streaming import MAX_STOP_CHARS as MAX_STOP_CHARS
+from ._streaming import MAX_STOPS as MAX_STOPS
+from ._streaming import SendFrames as SendFrames
+from ._streaming import find_stop as find_stop
+from ._streaming import frames_by_sender as frames_by_sender
+from ._streaming import held_back as held_back
+from ._streaming import plain_chat_prompt as plain_chat_prompt
 from .protocol import (
     MAX_BUDGET_MS,
     PRIORITY_CLASSES,
@@ -37,7 +46,6 @@ from .protocol import (
     GenerateDone,
     GenerateRequest,
     GenerationLimits,
-    TokenBatch,
     TokenChunk,
     VersionSpec,
     encode_frame,
@@ -56,12 +64,6 @@ from .textgen import (
 
 logger = logging.getLogger(__name__)
 
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
-
-# Sends one step's frames to the connection a stream came from. The agent drops them if that
-# connection is gone, so a stream never answers on a later connection.
-SendFrames = Callable[[list[bytes]], Awaitable[None]]
 # What a step produces for one stream: new text (sent in the step's ``TokenBatch``) or a frame.
 Out = list[tuple["Stream", TokenChunk | bytes]]
 
@@ -113,12 +115,6 @@ class Decoder(Protocol):
         """Logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` in cache rows ``row``.., each row's
         tokens at positions ``start[b]``.. (``TextGenModel.forward``'s contract)."""
         ...
-
-
-def plain_chat_prompt(messages: Sequence[ChatTurn]) -> str:
-    """The chat format of a model without a template: one "role: content" line per message,
-    then the assistant's turn."""
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
 class ByteDecoder:
@@ -179,23 +175,6 @@ class Stream:
     @property
     def id(self) -> int:
         return self.request.id
-
-
-def find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in ``text`` (searching from about ``start``)."""
-    found = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
-    return min(found) if found else None
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters might begin a stop string, so must not be sent yet."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
 
 
 class Engine:
@@ -562,22 +541,6 @@ class Engine:
 
 def _admission_order(stream: Stream) -> tuple[int, int]:
     return stream.request.priority, stream.seq
-
-
-def frames_by_sender(out: Out) -> dict[SendFrames, list[bytes]]:
-    """One step's output as the frames for each connection: first one ``TokenBatch`` with every
-    stream's new text (a stream's chunk comes before its done frame, which follows), then the
-    other frames in the order the step made them."""
-    chunks: dict[SendFrames, list[TokenChunk]] = {}
-    frames: dict[SendFrames, list[bytes]] = {}
-    for stream, item in out:
-        if isinstance(item, TokenChunk):
-            chunks.setdefault(stream.send, []).append(item)
-        else:
-            frames.setdefault(stream.send, []).append(item)
-    for send, texts in chunks.items():
-        frames[send] = [encode_frame(TokenBatch(texts)), *frames.get(send, ())]
-    return frames
 
 
 # Loading ----------------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ class Runtime:
     input_names: list[str]
     output_names: list[str]
     provider: str  # what actually runs the model, e.g. "CUDAExecutionProvider"
+    # ``run`` waits on another process (a python package's worker, up to its timeout): never
+    # run it on the event loop, however fast its warm-up was.
+    blocks: bool = False
+
+    def outside_bytes(self) -> int:
+        """Memory the model holds outside the agent's process (a worker's), for its footprint."""
+        return 0
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError

@@ -31,7 +31,9 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from ._generate import Engine, SendFrames  # imports torch; loaded only for textgen versions
+    # Either engine: the torch one (_generate) or a python package's (_python_engine).
+    from ._streaming import GenerationEngine as Engine
+    from ._streaming import SendFrames
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,12 @@ from ._memory import (
 )
 from ._runtime import Runtime, warm_up
 from ._text import text_wrapper
-from .formats import FORMATS, EngineLoader, RuntimeLoader
+from .formats import FORMATS, EngineLoader, Format, RuntimeLoader
 from .protocol import Assign, VersionLoad, VersionSpec, VersionState, VersionStatus
 
 if TYPE_CHECKING:
-    from ._generate import Engine  # imports torch; loaded only for versions that generate
+    # Either engine: the torch one (_generate) or a python package's (_python_engine).
+    from ._streaming import GenerationEngine as Engine
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +311,10 @@ class VersionSet:
             return await self._load_failed(version_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
             return await self._load_failed(version_id, f"download failed: {exc}")
+        if fmt.prepare is not None:
+            problem = await self._prepare(fmt, path, spec)
+            if problem is not None:
+                return await self._load_failed(version_id, problem)
         async with self._load_lock:
             problem = await self.make_room(version_id, estimate_need(spec, path))
             if problem is not None:
@@ -327,6 +332,22 @@ class VersionSet:
             loaded = self.loaded.get(version_id)
             if loaded is not None:
                 loaded.usage.load_s = time.perf_counter() - started
+
+    async def _prepare(self, fmt: Format, path: Path, spec: VersionSpec) -> str | None:
+        """The format's step before loading (a python package's environment), outside the
+        load lock: minutes of installing must not hold up other versions' loads. None once
+        done, else why it failed."""
+
+        async def progress(detail: str) -> None:
+            await self.send_status(spec.version_id, "loading", detail=detail)
+
+        try:
+            prepare = await asyncio.to_thread(fmt.prepare_function)
+            assert prepare is not None
+            await prepare(path, spec, progress)
+        except Exception as exc:  # noqa: BLE001 - reported to the platform as the failure
+            return f"preparing failed: {exc}"
+        return None
 
     async def load_batched(
         self,
@@ -354,6 +375,9 @@ class VersionSet:
         usage = measure_usage(
             before, await asyncio.to_thread(settled_load_reading), runtime.provider, path
         )
+        outside = runtime.outside_bytes()  # a worker process's, which no agent reading sees
+        usage.memory_bytes += outside
+        usage.measured_bytes += outside
 
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         batcher = Batcher(
@@ -362,7 +386,7 @@ class VersionSet:
             max_queue_delay_ms=spec.max_queue_delay_ms,
             max_queue=spec.max_queue,
             max_queue_per_caller=spec.max_queue_per_caller,
-            inline=latency < INLINE_BELOW_S,
+            inline=latency < INLINE_BELOW_S and not runtime.blocks,
             batch_sizes=self.batch_sizes,
             counts=self.sched_counts,
             meter=self.meter,

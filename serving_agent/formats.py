@@ -4,7 +4,9 @@ runs one of two ways: a ``Runtime`` answers batches of tensors behind a ``Batche
 (``InferRequest`` frames); an ``Engine`` streams generated tokens (``GenerateRequest`` frames).
 
 The platform's half is ``registry.formats`` (how an upload is checked, what OIP calls it); both
-tables hold the same formats (``tests/test_formats.py``). Adding a format is one entry in each.
+tables hold the same formats (``tests/test_formats.py``), but for the platform's composed ones
+(a graph runs on the gateway, node by node: no agent loads it). Adding a format is one entry in
+each.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from .protocol import VersionSpec
 
 if TYPE_CHECKING:  # both import what they run (ONNX Runtime, torch): only when a loader is used
-    from ._generate import Engine
     from ._runtime import Runtime
+    from ._streaming import GenerationEngine as Engine
 
 
 class RuntimeLoader(Protocol):
@@ -52,11 +54,22 @@ class Format:
     # The loader gives an ``EngineLoader``'s engine (token streams), else a ``RuntimeLoader``'s
     # runtime (batches).
     streams: bool = False
+    # "module:function", an async step before the load, outside the agent's load lock (it may
+    # take minutes: a python package's environment is built there), given the artifact, the
+    # spec and a callback that reports progress as the version's "loading" detail.
+    prepare: str | None = None
 
     def load_function(self) -> Callable[..., Any]:
         """The loader, its module imported (slow for torch: call it in a thread)."""
-        module, name = self.loader.split(":")
-        return cast(Callable[..., Any], getattr(importlib.import_module(module), name))
+        return _named(self.loader)
+
+    def prepare_function(self) -> Callable[..., Any] | None:
+        return None if self.prepare is None else _named(self.prepare)
+
+
+def _named(where: str) -> Callable[..., Any]:
+    module, name = where.split(":")
+    return cast(Callable[..., Any], getattr(importlib.import_module(module), name))
 
 
 FORMATS: dict[str, Format] = {
@@ -68,4 +81,16 @@ FORMATS: dict[str, Format] = {
     "hf": Format("serving_agent._hf:load_hf_engine", streams=True),
     # A torch.export program, rebuilt from its checked JSON (never torch.export.load).
     "torch": Format("serving_agent._torch:load_torch"),
+    # A team's own code: a package's class in a sandboxed worker process, in an environment
+    # built from its pinned requirements (docs/custom-code.md).
+    "python": Format(
+        "serving_agent._python:load_python", prepare="serving_agent._python:prepare_python"
+    ),
+    # The same, for a package whose class streams text: its generators, in the worker, run
+    # on a generation engine of their own (``_python_engine``).
+    "python_generator": Format(
+        "serving_agent._python_engine:load_python_engine",
+        streams=True,
+        prepare="serving_agent._python:prepare_python",
+    ),
 }

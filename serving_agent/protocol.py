@@ -116,6 +116,9 @@ class VersionSpec(BaseModel):
     # against its hash like the artifact.
     tokenizer_url: str = ""
     tokenizer_sha256: str = ""
+    # The version's tenant: a ``python`` package's worker runs as that tenant's own uid, so no
+    # two tenants' code shares a uid on a node.
+    tenant_id: int = 0
 
 
 # Platform -> agent ----------------------------------------------------------------------------

@@ -72,11 +72,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(
         ROOT / "agent", build / "agent", ignore=shutil.ignore_patterns("build", "*.egg-info")
     )
-    shutil.copytree(
-        ROOT / "serving_agent",
-        build / "serving_agent",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    for package in ("serving_agent", "switchyard_client"):
+        shutil.copytree(
+            ROOT / package, build / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     subprocess.run(
         [
             sys.executable,
@@ -115,11 +114,13 @@ def test_wheel_metadata_is_light(wheel: Path) -> None:
     assert any(r.startswith("onnxruntime-gpu") and 'extra == "gpu"' in r for r in requires)
     assert any(r.startswith("torch") and 'extra == "torch"' in r for r in requires)
     assert "switchyard-agent = serving_agent.__main__:main" in entry_points
-    # Every module of serving_agent/ is in the wheel, and nothing else of the repository.
-    shipped = {n for n in names if n.startswith("serving_agent/") and n.endswith(".py")}
-    expected = {f"serving_agent/{p.name}" for p in (ROOT / "serving_agent").glob("*.py")}
+    # Every module of serving_agent/ is in the wheel, and the client whose worker python
+    # packages run in, and nothing else of the repository.
+    packages = ("serving_agent", "switchyard_client")
+    shipped = {n for n in names if n.startswith(packages) and n.endswith(".py")}
+    expected = {f"{d}/{p.name}" for d in packages for p in (ROOT / d).glob("*.py")}
     assert shipped == expected
-    assert all(n.startswith(("serving_agent/", "switchyard_agent-")) for n in names)
+    assert all(n.startswith((*packages, "switchyard_agent-")) for n in names)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_wheel_runs_in_a_venv_with_only_the_light_dependencies(
     assert "--platform" in help_out.stdout
     probe = (
         "import importlib.util, sys, serving_agent, serving_agent.__main__, serving_agent._agent\n"
-        "import serving_agent._serving, serving_agent.protocol\n"
+        "import serving_agent._serving, serving_agent.protocol, serving_agent._python\n"
         f"print(serving_agent.__file__)\n"
         f"print([m for m in {HEAVY!r} if importlib.util.find_spec(m)])\n"
     )

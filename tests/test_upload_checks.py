@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import struct
 import tarfile
 import zipfile
@@ -26,6 +27,8 @@ from tests.classic_models import logistic_regression
 from tests.factories import ADMIN_VERSION_FIELDS, key_client, make_model
 from tests.hf_models import make_archive
 from tests.onnx_models import small_onnx
+from tests.python_packages import PACKAGES
+from tests.python_packages import pack as pack_package
 from tests.textgen_models import tiny_textgen
 from tests.torch_models import mlp
 
@@ -122,10 +125,36 @@ NON_FINITE = {
         "'model.safetensors:transformer.wpe.weight' holds infinite values",
     ),
     "torch": (lambda tmp: with_torch_value(mlp()[1], np.nan), "'hidden.weight' holds NaN"),
+    # A package's weights in a format the registry reads are judged like an upload of it.
+    "python": (
+        lambda tmp: python_package_with(
+            tmp, "artifacts/model.onnx", with_onnx_value(small_onnx(), np.nan)
+        ),
+        "'artifacts/model.onnx:0.weight' holds NaN",
+    ),
+    # The same for a package that streams text.
+    "python_generator": (
+        lambda tmp: python_package_with(
+            tmp, "artifacts/model.onnx", with_onnx_value(small_onnx(), np.inf), "word_echo"
+        ),
+        "'artifacts/model.onnx:0.weight' holds infinite values",
+    ),
 }
 
 
-@pytest.mark.parametrize("format", list(FORMATS))
+def python_package_with(
+    tmp: Path, name: str, data: bytes, package: str = "roman_numerals"
+) -> bytes:
+    """tests/packages/roman_numerals (or ``package``) with one more file."""
+    folder = tmp / "package"
+    shutil.copytree(PACKAGES / package, folder)
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data)
+    return pack_package(folder)
+
+
+# A composed format (a graph) holds no weights of its own: its nodes' were checked at their upload.
+@pytest.mark.parametrize("format", [f for f, entry in FORMATS.items() if entry.runs_on_agent])
 def test_every_format_refuses_nan_or_infinite_weights_naming_the_tensor(
     api_a, spooled, tmp_path, format
 ):

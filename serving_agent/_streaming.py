@@ -1,0 +1,107 @@
+"""What every generation engine shares, without torch: the interface the agent drives an engine
+through (``GenerationEngine``), the stop-string rules, the plain chat prompt and how one step's
+output becomes each connection's frames.
+
+Two engines implement it: ``_generate.Engine`` (the built-in decoder and Hugging Face models,
+on torch) and ``_python_engine.PythonEngine`` (a ``python_generator`` package's generators, in
+a sandboxed worker). Only nodes serving a torch format import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Protocol
+
+from ._batcher import SchedCounts
+from ._compute import ComputeMeter, RunTotals
+from ._generation_stats import GenerationStats
+from .protocol import (
+    ChatTurn,
+    GenerateRequest,
+    GenerationLimits,
+    TokenBatch,
+    TokenChunk,
+    encode_frame,
+)
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+# Sends one step's frames to the connection a stream came from. The agent drops them if that
+# connection is gone, so a stream never answers on a later connection.
+SendFrames = Callable[[list[bytes]], Awaitable[None]]
+
+
+class GenerationEngine(Protocol):
+    """What the agent asks of a loaded generative version (``_versions.LoadedTextGen``)."""
+
+    provider: str
+    stats: GenerationStats
+    counts: SchedCounts  # the agent shares one across its versions
+    meter: ComputeMeter
+    totals: RunTotals
+
+    @property
+    def streams_active(self) -> int: ...
+
+    def set_limits(self, limits: GenerationLimits | None) -> None: ...
+
+    def submit(
+        self, request: GenerateRequest, send: SendFrames, received: float | None = None
+    ) -> None:
+        """Start a stream, or raise the error its request gets (``AgentError``s)."""
+        ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def cancel_all(self, senders: Collection[SendFrames] | None = None) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class Sends(Protocol):
+    """A stream, as far as sending its frames goes."""
+
+    @property
+    def send(self) -> SendFrames: ...
+
+
+def plain_chat_prompt(messages: Sequence[ChatTurn]) -> str:
+    """The chat format of a model without a template: one "role: content" line per message,
+    then the assistant's turn."""
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+
+
+def find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in ``text`` (searching from about ``start``)."""
+    found = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters might begin a stop string, so must not be sent yet."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+def frames_by_sender(
+    out: Sequence[tuple[Sends, TokenChunk | bytes]],
+) -> dict[SendFrames, list[bytes]]:
+    """One step's output as the frames for each connection: first one ``TokenBatch`` with every
+    stream's new text (a stream's chunk comes before its done frame, which follows), then the
+    other frames in the order the step made them."""
+    chunks: dict[SendFrames, list[TokenChunk]] = {}
+    frames: dict[SendFrames, list[bytes]] = {}
+    for stream, item in out:
+        if isinstance(item, TokenChunk):
+            chunks.setdefault(stream.send, []).append(item)
+        else:
+            frames.setdefault(stream.send, []).append(item)
+    for send, texts in chunks.items():
+        frames[send] = [encode_frame(TokenBatch(texts)), *frames.get(send, ())]
+    return frames
