@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from platform_site.errors import Conflict, NotFound
+from platform_site.errors import Conflict, Invalid, NotFound
 from registry.models import ModelVersion
 from tenants.audit import Actor, audit
 
@@ -123,6 +123,11 @@ def create_deployment(
 ) -> Deployment:
     """Deploy a version on a pool; the control loop starts its replicas (from ``min_replicas``,
     or at the first request when that is 0)."""
+    if not version.format_entry.runs_on_agent:
+        # A graph runs on the gateway: its nodes' versions are what agents load.
+        raise Invalid(
+            "version", "a graph runs on the gateway, not on agents: deploy the versions it names"
+        )
     deployment = Deployment(tenant_id=version.model.tenant_id, version=version, pool=pool, **values)
     deployment.full_clean(validate_constraints=False)  # min <= max and each field's bounds
     taken = Conflict(
@@ -217,6 +222,14 @@ def heartbeat_health(last_heartbeat_at: datetime, now: datetime) -> tuple[str, f
     return ("healthy" if healthy else "stale"), round(age, 1)
 
 
+def _serving(tenant_id: int) -> Q:
+    """The sessions that may serve this tenant: replicas of its deployments, and nodes run by
+    hand that are its own or serve every tenant."""
+    in_scope = Q(node__tenant_id=tenant_id) | Q(node__tenant__isnull=True)
+    ours = Q(deployment__tenant_id=tenant_id) | Q(deployment_name="")
+    return in_scope & ours
+
+
 def tenant_agents(tenant_id: int, now: datetime | None = None) -> list[dict[str, Any]]:
     """The live agents that serve this tenant: replicas of its deployments, and nodes run by
     hand that are its own or serve every tenant.
@@ -226,11 +239,9 @@ def tenant_agents(tenant_id: int, now: datetime | None = None) -> list[dict[str,
     (a capacity figure that names nobody's model).
     """
     now = now or timezone.now()
-    in_scope = Q(node__tenant_id=tenant_id) | Q(node__tenant__isnull=True)
-    ours = Q(deployment__tenant_id=tenant_id) | Q(deployment_name="")
     sessions = list(
         live_sessions()
-        .filter(in_scope & ours)
+        .filter(_serving(tenant_id))
         .select_related("node", "deployment__version")
         .order_by("node__name", "pk")
     )
@@ -278,3 +289,46 @@ def _agent_row(
         "memory_budget_bytes": stats.get("memory_budget_bytes") or session.memory_budget_bytes,
         "gpus": stats.get("gpus", []),
     }
+
+
+def version_placements(version: ModelVersion, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Where a version (already looked up through its tenant) is on the live agents: per
+    agent, its load state as the agent last reported it, with the detail that explains it
+    ("building environment: ..." while a python package's environment builds, the installer's
+    or the loader's error when it failed), the provider that runs it and its measured memory.
+    Only the agents that may serve its tenant are asked, and only about this version."""
+    now = now or timezone.now()
+    key = str(version.pk)
+    sessions = (
+        live_sessions()
+        .filter(_serving(version.model.tenant_id))
+        .select_related("node", "deployment")
+        .order_by("node__name", "pk")
+    )
+    placements = []
+    for session in sessions:
+        reported = (session.version_states or {}).get(key)
+        ready = version.pk in (session.ready_versions or [])
+        if not isinstance(reported, dict) and not ready:
+            continue
+        reported = reported if isinstance(reported, dict) else {}
+        state = reported.get("state") or "ready"
+        if state == "unloaded":
+            continue
+        health, age = heartbeat_health(session.last_heartbeat_at, now)
+        placements.append(
+            {
+                "node": session.node.name,
+                "kind": "replica" if session.deployment_id else "node",
+                "deployment": (
+                    session.deployment.cluster_name if session.deployment is not None else None
+                ),
+                "state": str(state),
+                "detail": str(reported.get("detail") or ""),
+                "provider": str(reported.get("provider") or ""),
+                "memory_bytes": int(reported.get("memory_bytes") or 0),
+                "health": health,
+                "last_heartbeat_age_s": age,
+            }
+        )
+    return placements

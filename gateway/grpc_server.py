@@ -18,7 +18,7 @@ import orjson
 from django.conf import settings
 from google.protobuf.message import DecodeError, Message
 
-from . import grpc_codec, idempotency, pipeline
+from . import graphs, grpc_codec, idempotency, pipeline
 from .admission import admit
 from .errors import ApiError
 from .frontdoor import Call, serve
@@ -79,7 +79,7 @@ async def model_ready(request: pb.ModelReadyRequest, context: Context) -> pb.Mod
         state = get_state()
         authorization = _metadata(context).get("authorization")
         _, route = await admit(state, authorization, request.name, request.version)
-        return pb.ModelReadyResponse(ready=state.pool.is_ready(route.version_id))
+        return pb.ModelReadyResponse(ready=await graphs.ready(state, route))
 
     return await _answer(context, work)
 

@@ -119,6 +119,19 @@ DEGRADED = Counter(
     "default (the model's default answer).",
     ["tenant", "model", "version", "step"],
 )
+GRAPH_NODE_LATENCY = Histogram(
+    "switchyard_graph_node_duration_seconds",
+    "Time each node of a graph version took, from its dispatch to its answer (any status), by "
+    "the graph's model and version and the node's name.",
+    ["tenant", "model", "version", "node"],
+    buckets=LATENCY_BUCKETS_S,
+)
+GRAPH_NODE_ERRORS = Counter(
+    "switchyard_graph_node_errors",
+    "Nodes of a graph version that failed the request, by the graph's model and version, the "
+    "node's name and the status the node's failure answered.",
+    ["tenant", "model", "version", "node", "status"],
+)
 
 # The prediction log's writer (gateway/predlog.py) counts straight into these: a few increments
 # per batch on its own thread, and one per drop on the event loop (a labelled child, made once).
@@ -229,7 +242,17 @@ class RequestMetrics:
     stages: dict[tuple[Any, ...], dict[str, _Hist]] = field(default_factory=dict)  # (tenant, model)
     rejected: dict[tuple[Any, ...], int] = field(default_factory=dict)
     degraded_answers: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    graph_nodes: dict[tuple[Any, ...], _Hist] = field(default_factory=dict)
+    graph_node_errors: dict[tuple[Any, ...], int] = field(default_factory=dict)
     _until_stages: int = 0
+
+    def graph_node(self, tenant: str, graph: Route, node: str, seconds: float, status: int) -> None:
+        """One node of a graph answered (status 200) or failed the request (its status)."""
+        labels = (tenant, graph.model_name, str(graph.version), node)
+        _add(self.graph_nodes, labels, LATENCY_BUCKETS_S, seconds)
+        if status != 200:
+            key = (*labels, str(status))
+            self.graph_node_errors[key] = self.graph_node_errors.get(key, 0) + 1
 
     def degraded(self, tenant: str, route: Route, step: str) -> None:
         key = (tenant, route.model_name, str(route.version), step)
@@ -267,6 +290,8 @@ class RequestMetrics:
         stages, self.stages = self.stages, {}
         rejected, self.rejected = self.rejected, {}
         degraded, self.degraded_answers = self.degraded_answers, {}
+        nodes, self.graph_nodes = self.graph_nodes, {}
+        node_errors, self.graph_node_errors = self.graph_node_errors, {}
         for key, n in requests.items():
             REQUESTS.labels(*key).inc(n)
         for key, hist in latency.items():
@@ -278,6 +303,10 @@ class RequestMetrics:
             REJECTED.labels(*key).inc(n)
         for key, n in degraded.items():
             DEGRADED.labels(*key).inc(n)
+        for key, hist in nodes.items():
+            _fold_histogram(GRAPH_NODE_LATENCY.labels(*key), hist)
+        for key, n in node_errors.items():
+            GRAPH_NODE_ERRORS.labels(*key).inc(n)
 
 
 class LocalHistogram:

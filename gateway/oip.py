@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from . import idempotency, pipeline
+from . import graphs, idempotency, pipeline
 from .asgi_io import error_body as _error
 from .asgi_io import header as _header
 from .asgi_io import read_body as _read_body
@@ -83,7 +83,7 @@ async def _handle(state: GatewayState, scope: Scope, receive: Receive, call: Cal
     if rest == ["ready"]:
         _allow(method, "GET")
         _, route = await call.admit(authorization, name, version)
-        ready = state.pool.is_ready(route.version_id)
+        ready = await graphs.ready(state, route)
         return (200 if ready else 503), orjson.dumps({"name": name, "ready": ready}), []
     raise ApiError(404, f"no such endpoint: {scope['path']}")
 

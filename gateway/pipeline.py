@@ -1,7 +1,8 @@
 """The prediction every tensor front door (OIP REST and gRPC, the prediction API, embeddings)
 runs once a request is admitted and parsed: within its key's in-flight limit, the rollout
-plan's arm, the dispatch, and the model's fallback ladder when the version fails; the shadow
-copy is queued to run after the reply."""
+plan's arm, the dispatch (or, for a graph version, its nodes' run: ``gateway.graphs``), and the
+model's fallback ladder when the version fails; the shadow copy is queued to run after the
+reply."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .arms import Routed, route_request
 from .checks import check_tensor
 from .dispatch import DispatchError
 from .errors import ApiError
-from .inference import run_inference
+from .graphs import run_route
 from .metrics import Observed
 from .parsed import After, ParsedInfer
 from .routes import Route, RouteMissing
@@ -62,7 +63,7 @@ async def _predict(
     observed.mark("routing")
     if routed.route.degrades:
         return await _down_the_ladder(state, identity, routed, parsed, observed, after, sched)
-    answer = await run_inference(
+    answer = await run_route(
         state,
         routed.route,
         parsed.names,
@@ -100,7 +101,7 @@ async def _down_the_ladder(
     deadline = time.monotonic() + sched.budget_ms / 1000
     first = _step_schedule(sched, route.primary_timeout_ms, deadline)
     try:
-        answer = await run_inference(
+        answer = await run_route(
             state,
             route,
             parsed.names,
@@ -124,7 +125,7 @@ async def _down_the_ladder(
         left_ms = (deadline - time.monotonic()) * 1000
         if fallback is not None and left_ms >= 1:
             try:
-                answer = await run_inference(
+                answer = await run_route(
                     state,
                     fallback,
                     parsed.names,

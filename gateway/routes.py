@@ -10,6 +10,8 @@ import numpy as np
 from platform_site.errors import NotFound
 from registry.access import model_for, version_for
 from registry.formats import DEFAULT_FORMAT, FORMATS
+from registry.graph_spec import Graph
+from registry.graphs import stored_graph
 from registry.models import Alias, ModelVersion
 from registry.signature import check_default_answer
 from serving_agent.protocol import OIP_TO_NUMPY
@@ -62,6 +64,9 @@ class Route:
     # The alias the request named (its rollout plan splits the traffic), or None when it
     # named a version number (answered by that version alone).
     alias: str | None = None
+    # A graph version (a composed format): the gateway runs it node by node (gateway.graphs)
+    # instead of sending it to an agent.
+    graph: Graph | None = field(default=None, compare=False)
 
     @property
     def degrades(self) -> bool:
@@ -136,6 +141,7 @@ def route_of(version: ModelVersion) -> Route:
         default_outputs=tuple(check_default_answer(model.default_answer))
         if model.default_answer
         else (),
+        graph=stored_graph(version),
     )
 
 

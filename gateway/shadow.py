@@ -13,7 +13,7 @@ from tenants.keys import KeyIdentity
 from .arms import Routed
 from .dispatch import DispatchError
 from .errors import ApiError
-from .inference import run_inference
+from .graphs import run_route
 from .routes import RouteMissing
 from .scheduling import Schedule
 from .state import GatewayState
@@ -39,7 +39,7 @@ async def shadow_copy(
     try:
         route = await state.version_route(identity.tenant_id, routed.shadow_version_id)
         sched = Schedule(SHADOW, state.infer_timeout * 1000)
-        result = await run_inference(
+        result = await run_route(
             state, route, names, arrays, identity=identity, sched=sched, counted=None
         )
     except (ApiError, RouteMissing, DispatchError) as exc:
