@@ -25,6 +25,10 @@ from .models import AgentSession, Deployment, Node
 log = logging.getLogger(__name__)
 
 NODE_KIND = "syn"
+# How much of a version state's detail is kept: a progress line ("building environment: ...")
+# is short; a failure keeps room for the error that says why (an installer's, a traceback's).
+DETAIL_CHARS = 300
+FAILED_DETAIL_CHARS = 2000
 
 
 def create_node(name: str, tenant: Tenant | None = None, actor: Actor = SYSTEM) -> tuple[Node, str]:
@@ -122,9 +126,10 @@ def record_version_state(session_id: int, status: VersionStatus, ready: list[int
     if session is None:
         return
     states = dict(session.version_states)
+    limit = FAILED_DETAIL_CHARS if status.state == "failed" else DETAIL_CHARS
     states[str(status.version_id)] = {
         "state": status.state,
-        "detail": status.detail[:300],
+        "detail": status.detail[:limit],
         "memory_bytes": status.memory_bytes,
         "provider": status.provider,  # what really runs it: CUDA asked for may run on CPU
     }

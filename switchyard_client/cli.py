@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
+from switchyard_client import packaging
 from switchyard_client.sdk import Client, SwitchyardError
 
 
@@ -96,16 +98,244 @@ def models_create(name: str, task: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("model")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", default="onnx")
+@click.argument("folder", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--name", default=None, help="the model's name in the hints (default: DIR's name)")
 @json_option
-def push(model: str, file: str, fmt: str, as_json: bool) -> None:
-    """Upload FILE as MODEL's next version."""
-    size = Path(file).stat().st_size
+def init(folder: Path, name: str | None, as_json: bool) -> None:
+    """Write a working python model package into DIR (docs/custom-code.md)."""
+    name = name or folder.resolve().name
+    try:
+        written = packaging.scaffold(folder, name)
+    except packaging.PackagingError as error:
+        raise click.UsageError(str(error)) from error
+    human = "\n".join(
+        [
+            f"wrote a python model package in {folder}: " + ", ".join(p.name for p in written),
+            "next: edit model.py and switchyard.toml, then",
+            f"  switchyard models create {name}",
+            f"  switchyard push {name} {folder}",
+        ]
+    )
+    emit(as_json, {"folder": str(folder), "files": [p.name for p in written]}, human)
+
+
+@cli.command()
+@click.argument("model")
+@click.argument("source", metavar="PATH", type=click.Path(exists=True, path_type=Path))
+@click.option("--format", "fmt", default=None, help="the artifact's format (default: onnx)")
+@click.option(
+    "--no-smoke",
+    is_flag=True,
+    help="a folder: skip the local check (when this machine lacks the package's requirements)",
+)
+@click.option(
+    "--smoke-timeout",
+    type=float,
+    default=packaging.SMOKE_TIMEOUT_S,
+    show_default=True,
+    help="seconds the local check may take",
+)
+@json_option
+def push(
+    model: str, source: Path, fmt: str | None, no_smoke: bool, smoke_timeout: float, as_json: bool
+) -> None:
+    """Upload PATH as MODEL's next version: an artifact file, or a python package's folder
+    (checked on this machine first, then uploaded as a .tar.gz of format python, or
+    python_generator when its manifest says generates = true)."""
+    if not source.is_dir():
+        _upload(model, source, fmt or "onnx", as_json)
+        return
+    if fmt not in (None, packaging.PYTHON_FORMAT, packaging.PYTHON_GENERATOR_FORMAT):
+        raise click.UsageError(f"a folder is a python package: --format {fmt} does not apply")
+    try:
+        packaging.check_folder(source)
+    except packaging.PackagingError as error:
+        raise click.UsageError(str(error)) from error
+    try:
+        packaging.package_files(source)  # links refused before the check runs anything
+        if not no_smoke:
+            _smoke(source, smoke_timeout, as_json)
+        with tempfile.TemporaryDirectory(prefix="switchyard-") as scratch:
+            packed = packaging.pack(source, Path(scratch) / f"{source.resolve().name}.tar.gz")
+            # python, or python_generator for a package whose class streams text
+            fmt = packaging.package_format(source)
+            version = _packed_upload(model, packed, as_json, fmt)
+    except packaging.PackagingError as error:
+        raise click.ClickException(f"{error}\nnothing was uploaded.") from error
+    if not as_json:
+        number = version["version"]
+        click.echo(
+            "An agent builds its environment from requirements.txt when it first loads it "
+            f"(once an alias or a rollout serves it, e.g. `switchyard alias set {model} staging "
+            f"{number}`). Follow the build on each node with:\n"
+            f"  switchyard versions show {model} {number} --watch"
+        )
+
+
+def _upload(model: str, path: Path, fmt: str, as_json: bool) -> dict[str, Any]:
+    size = path.stat().st_size
     with client() as c, tqdm(total=size, unit="B", unit_scale=True, disable=as_json) as bar:
-        version = c.push_version(model, file, fmt, progress=bar.update)
-    emit(as_json, version, f"pushed {model} version {version['version']}")
+        version = c.push_version(model, path, fmt, progress=bar.update)
+    emit(as_json, version, f"pushed {model} version {version['version']} ({fmt})")
+    return version
+
+
+def _packed_upload(
+    model: str, packed: packaging.Packed, as_json: bool, fmt: str = packaging.PYTHON_FORMAT
+) -> dict[str, Any]:
+    if not as_json:
+        click.echo(
+            f"packed {len(packed.files)} files ({packed.total_bytes} bytes) into {packed.path.name}"
+        )
+    return _upload(model, packed.path, fmt, as_json)
+
+
+def _smoke(folder: Path, timeout_s: float, as_json: bool) -> None:
+    """The local check of a package folder; a failure stops the push before any upload."""
+    if not as_json:
+        click.echo(f"checking {folder} on this machine (import, load(), one call)...")
+    result = packaging.smoke(folder, timeout_s)
+    if result.ok:
+        if not as_json:
+            seen = result.report.get("outputs", {})
+            shapes = ", ".join(f"{n} {o['datatype']} {o['shape']}" for n, o in seen.items())
+            click.echo(f"local check passed: {shapes}")
+        return
+    if result.log.strip():
+        click.echo(result.log.rstrip(), err=True)
+    hint = ""
+    if "ModuleNotFoundError" in result.error or "ImportError" in result.error:
+        hint = (
+            f"\nIf this machine lacks the package's requirements, install them "
+            f"(pip install -r {folder / 'requirements.txt'}) or push with --no-smoke."
+        )
+    raise packaging.PackagingError(f"the local check of {folder} failed: {result.error}{hint}")
+
+
+@cli.group()
+def versions() -> None:
+    """List a model's versions; show one, with its package and its state on each agent."""
+
+
+@versions.command("list")
+@click.argument("model")
+@json_option
+def versions_list(model: str, as_json: bool) -> None:
+    with client() as c:
+        found = c.list_versions(model)
+    lines = [
+        f"v{v['version']}\t{v['format']}\t{v['sha256'][:12]}\t{','.join(v.get('aliases', []))}"
+        for v in found
+    ]
+    emit(as_json, found, "\n".join(lines) or "no versions")
+
+
+# A placement in one of these states is still on its way (a python environment building).
+PENDING_STATES = ("loading",)
+FILES_SHOWN = 20  # of a package, by `versions show` (its --json lists them all)
+
+
+@versions.command("show")
+@click.argument("model")
+@click.argument("version", type=int)
+@click.option("--watch", is_flag=True, help="follow the agents until none is still loading it")
+@click.option("--interval", type=float, default=2.0, help="seconds between polls with --watch")
+@click.option("--timeout", type=float, default=1800.0, help="give up watching after this long")
+@json_option
+def versions_show(
+    model: str, version: int, watch: bool, interval: float, timeout: float, as_json: bool
+) -> None:
+    """A version's fields, its package (a python version: entrypoint, resources, requirements,
+    files) and its load state on each agent, with the detail of a build or a failure."""
+    with client() as c:
+        found = c.get_version(model, version)
+        package = c.version_package(model, version) if found["format"] == "python" else None
+        placements = c.version_placements(model, version)
+        if watch:
+            placements = _watch(c, model, version, placements, interval, timeout, as_json)
+    shown = {"version": found, "package": package, "placements": placements}
+    emit(as_json, shown, _version_text(found, package, placements))
+    if watch and (
+        not placements
+        or any(p["state"] in PENDING_STATES or p["state"] == "failed" for p in placements)
+    ):
+        sys.exit(1)
+
+
+def _watch(
+    c: Client,
+    model: str,
+    version: int,
+    placements: list[dict[str, Any]],
+    interval: float,
+    timeout: float,
+    as_json: bool,
+) -> list[dict[str, Any]]:
+    """Poll until some agent holds the version and none is still loading it (or ``timeout``),
+    printing each agent's state as it changes."""
+    deadline = time.monotonic() + timeout
+    seen: dict[str, tuple[str, str]] = {}
+    while True:
+        for p in placements:
+            now = (p["state"], p["detail"])
+            if seen.get(p["node"]) != now and not as_json:
+                first = (p["detail"].splitlines() or [""])[0][:160]
+                click.echo(f"{p['node']}: {p['state']}" + (f" ({first})" if first else ""))
+            seen[p["node"]] = now
+        settled = placements and not any(p["state"] in PENDING_STATES for p in placements)
+        if settled or time.monotonic() >= deadline:
+            return placements
+        time.sleep(interval)
+        placements = c.version_placements(model, version)
+
+
+def _version_text(
+    version: dict[str, Any], package: dict[str, Any] | None, placements: list[dict[str, Any]]
+) -> str:
+    def tensors(specs: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in specs) or "-"
+
+    lines = [
+        f"{version['model']} v{version['version']}  {version['format']}  "
+        f"sha256 {version['sha256'][:12]}  created {version['created_at']}",
+        f"aliases:  {', '.join(version.get('aliases', [])) or '-'}",
+        f"inputs:   {tensors(version['inputs'])}",
+        f"outputs:  {tensors(version['outputs'])}",
+    ]
+    if package is not None:
+        lines += _package_lines(package)
+    lines.append("agents:")
+    if not placements:
+        lines.append(
+            "  none holds it now (agents load a version while an alias or a rollout serves it)"
+        )
+    for p in placements:
+        where = p["node"] + (f" ({p['deployment']})" if p.get("deployment") else "")
+        extra = f"  {p['provider']}" if p.get("provider") else ""
+        lines.append(f"  {where}: {p['state']}{extra}")
+        if p.get("detail"):
+            lines += ["    " + line for line in str(p["detail"]).splitlines()]
+    return "\n".join(lines)
+
+
+def _package_lines(package: dict[str, Any]) -> list[str]:
+    if package.get("error"):
+        return [f"package:  {package['error']}"]
+    resources, policy = package["resources"], package["policy"]
+    lines = [
+        f"package:  entrypoint {package['entrypoint']}; {resources['memory_mib']} MiB, "
+        f"{resources['cpus']:g} CPU, {resources['timeout_s']:g} s per call; "
+        f"network {'allowed' if policy['network'] else 'off'}",
+        "requirements: " + (", ".join(package["requirements"]) or "none pinned"),
+    ]
+    if package.get("wheels"):
+        lines.append("wheels:   " + ", ".join(w["name"] for w in package["wheels"]))
+    files = package.get("files", [])
+    lines.append(f"files:    {len(files)} ({package.get('total_bytes', 0)} bytes)")
+    lines += [f"  {f['name']}  {f['size']}" for f in files[:FILES_SHOWN]]
+    if len(files) > FILES_SHOWN:
+        lines.append(f"  ... {len(files) - FILES_SHOWN} more (--json lists them all)")
+    return lines
 
 
 @cli.group()

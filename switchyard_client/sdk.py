@@ -107,6 +107,23 @@ class Client:
         found = self._call("GET", f"/api/v1/models/{model}/versions")
         return list(found["results"] if isinstance(found, dict) and "results" in found else found)
 
+    def get_version(self, model: str, version: int) -> JSON:
+        found: JSON = self._call("GET", f"/api/v1/models/{model}/versions/{version}")
+        return found
+
+    def version_placements(self, model: str, version: int) -> list[JSON]:
+        """Where a version is on the live agents: per agent its load state (``loading`` while
+        a python package's environment builds, ``ready``, ``failed``, ``evicted``) and the
+        detail that explains it (the installer's error when the build failed)."""
+        found = self._call("GET", f"/api/v1/models/{model}/versions/{version}/placements")
+        return list(found)
+
+    def version_package(self, model: str, version: int) -> JSON:
+        """What a python version's package holds: entrypoint, resources, policy, pinned
+        requirements, wheels and files (a 404 for a version of another format)."""
+        found: JSON = self._call("GET", f"/api/v1/models/{model}/versions/{version}/package")
+        return found
+
     def push_version(
         self,
         model: str,

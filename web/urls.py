@@ -10,6 +10,7 @@ from . import (
     prediction_views,
     rightsizing_views,
     usage_views,
+    version_views,
     views,
 )
 
@@ -56,6 +57,16 @@ urlpatterns += [
     path("slo/", monitoring_views.slo, name="slo"),
     path("slo/data/", monitoring_views.slo_data, name="slo-data"),
     path("alerts/", monitoring_views.alerts, name="alerts"),
+]
+
+# A version's page: its package (python versions) and its state on the agents
+# (web.version_views).
+urlpatterns += [
+    path(
+        "models/<str:name>/versions/<int:version>/",
+        version_views.version_detail,
+        name="version",
+    ),
 ]
 
 # An alias's history and its break-glass rollback (web.alias_views).

@@ -185,3 +185,27 @@ class AgentSerializer(serializers.Serializer[Any]):
     memory_used_bytes = serializers.IntegerField()
     memory_budget_bytes = serializers.IntegerField()
     gpus = GpuUseSerializer(many=True)
+
+
+class PlacementSerializer(serializers.Serializer[Any]):
+    """One agent's hold on a version (``fleet.deployments.version_placements``)."""
+
+    node = serializers.CharField()
+    kind = serializers.ChoiceField(
+        choices=["replica", "node"], help_text="a deployment's replica, or a node run by hand"
+    )
+    deployment = serializers.CharField(allow_null=True, help_text="the replica's cluster name")
+    state = serializers.ChoiceField(
+        choices=["loading", "ready", "failed", "evicted"],
+        help_text="as the agent last reported it (loading includes building a python "
+        "package's environment)",
+    )
+    detail = serializers.CharField(
+        allow_blank=True,
+        help_text="what the agent said with it: progress while loading, the installer's or "
+        "loader's error when failed (at most 2,000 characters)",
+    )
+    provider = serializers.CharField(allow_blank=True, help_text="what runs it once loaded")
+    memory_bytes = serializers.IntegerField(help_text="measured while loading")
+    health = serializers.ChoiceField(choices=["healthy", "stale"])
+    last_heartbeat_age_s = serializers.FloatField()

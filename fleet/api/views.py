@@ -1,7 +1,7 @@
 """The fleet over the API: deployments (a version on a pool, scaled by the autoscaler), their
-scaling decisions, the pools, the live agents that serve the caller's tenant, and the artifact
-download agents make with their node token. Thin views over ``fleet.deployments`` and
-``fleet.assignments``.
+scaling decisions, the pools, the live agents that serve the caller's tenant, where a version
+is on them (its placements), and the artifact download agents make with their node token.
+Thin views over ``fleet.deployments`` and ``fleet.assignments``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rest_framework.views import APIView
 
 from platform_site.parsers import JSONBodyParser
 from platform_site.tokens import bearer
-from registry.access import model_for
+from registry.access import model_for, version_for
 from registry.models import ModelVersion
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
@@ -37,6 +37,7 @@ from ..deployments import (
     tenant_agents,
     update_deployment,
     version_of,
+    version_placements,
 )
 from ..models import Pool
 from ..nodes import authenticate_node
@@ -46,6 +47,7 @@ from .serializers import (
     DecisionSerializer,
     DeploymentInputSerializer,
     DeploymentSerializer,
+    PlacementSerializer,
     PoolSerializer,
     RightsizingFilter,
     deployment_data,
@@ -135,6 +137,18 @@ class AgentListView(APIView):
     def get(self, request: CallerRequest) -> Response:
         agents = tenant_agents(request.caller.tenant_id)
         return Response(AgentSerializer(agents, many=True).data)
+
+
+class PlacementListView(APIView):
+    """Where one of the caller's versions is on the live agents: each agent's load state, with
+    the detail that explains it (a python package's environment building, or why it failed)."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=PlacementSerializer(many=True))
+    def get(self, request: CallerRequest, name: str, version: int) -> Response:
+        found = version_for(model_for(request.caller.tenant_id, name), version)
+        return Response(PlacementSerializer(version_placements(found), many=True).data)
 
 
 class RightsizingView(APIView):

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import transaction
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
@@ -13,12 +14,14 @@ from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.errors import NotFound
 from platform_site.parsers import JSONBodyParser
 from tenants.authentication import CallerRequest, TenantRolePermission, actor_of
 
 from .. import services
 from ..access import alias_for, model_for, models_of, version_for
 from ..artifact_refs import register_by_reference
+from ..python_package import package_summary
 from ..quantize import quantize_version
 from ..reference import set_reference_upload
 from .serializers import (
@@ -139,6 +142,21 @@ class VersionDetailView(APIView):
         raise ValidationError(
             {"version": "model versions are immutable; upload a new version instead"}
         )
+
+
+class PackageView(APIView):
+    """What a python version's package holds (``registry.python_package``): files, pinned
+    requirements, wheels and the manifest's entrypoint, resources and policy."""
+
+    permission_classes = [TenantRolePermission]
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: CallerRequest, name: str, version: int) -> Response:
+        found = version_for(model_for(request.caller.tenant_id, name), version)
+        summary = package_summary(found)
+        if summary is None:
+            raise NotFound(f"version {version} of {name!r} is not a python package")
+        return Response(summary)
 
 
 class AliasHistoryView(APIView):
