@@ -467,6 +467,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "ArtifactFormatEnum": "registry.models.ArtifactFormat",
         "InputFormatEnum": "batch.models.InputFormat",
+        "AgentKindEnum": "fleet.api.serializers.AGENT_KINDS",
     },
 }
 

@@ -169,10 +169,15 @@ class GpuUseSerializer(serializers.Serializer[Any]):
     memory_total_bytes = serializers.IntegerField()
 
 
+# What an agent is, in the agents and placements answers: one named enum in the OpenAPI schema
+# (settings' ENUM_NAME_OVERRIDES), not a collision with approval requests' ``kind``.
+AGENT_KINDS = ["replica", "node"]
+
+
 class AgentSerializer(serializers.Serializer[Any]):
     node = serializers.CharField()
     kind = serializers.ChoiceField(
-        choices=["replica", "node"], help_text="a deployment's replica, or a node run by hand"
+        choices=AGENT_KINDS, help_text="a deployment's replica, or a node run by hand"
     )
     shared = serializers.BooleanField(help_text="a node run by hand that serves every tenant")
     deployment = serializers.CharField(allow_null=True, help_text="the replica's cluster name")
@@ -192,7 +197,7 @@ class PlacementSerializer(serializers.Serializer[Any]):
 
     node = serializers.CharField()
     kind = serializers.ChoiceField(
-        choices=["replica", "node"], help_text="a deployment's replica, or a node run by hand"
+        choices=AGENT_KINDS, help_text="a deployment's replica, or a node run by hand"
     )
     deployment = serializers.CharField(allow_null=True, help_text="the replica's cluster name")
     state = serializers.ChoiceField(
