@@ -234,6 +234,9 @@ class Engine:
     def streams_active(self) -> int:
         return len(self._live)
 
+    def outside_bytes(self) -> int:
+        return 0  # the model lives in this process
+
     def set_limits(self, limits: GenerationLimits | None) -> None:
         """New limits apply to the next request; streams already running keep going."""
         self.limits = limits or GenerationLimits()

@@ -152,6 +152,9 @@ class PythonEngine:
     def streams_active(self) -> int:
         return len(self._live)
 
+    def outside_bytes(self) -> int:
+        return self.runtime.outside_bytes()
+
     def set_limits(self, limits: GenerationLimits | None) -> None:
         """New limits apply to the next request; streams already running keep going."""
         self.limits = limits or GenerationLimits()

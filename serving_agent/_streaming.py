@@ -58,6 +58,11 @@ class GenerationEngine(Protocol):
 
     async def stop(self) -> None: ...
 
+    def outside_bytes(self) -> int:
+        """Memory the version holds outside the agent's process (a python package's worker),
+        for its footprint."""
+        ...
+
 
 class Sends(Protocol):
     """A stream, as far as sending its frames goes."""

@@ -417,6 +417,9 @@ class VersionSet:
         usage = measure_usage(
             before, await asyncio.to_thread(settled_load_reading), engine.provider, path
         )
+        outside = engine.outside_bytes()  # a worker process's, which no agent reading sees
+        usage.memory_bytes += outside
+        usage.measured_bytes += outside
         spec = self._loading.pop(version_id)[0]  # the latest assigned limits
         engine.set_limits(spec.generation)
         engine.counts = self.sched_counts  # its drops are the agent's, as its batchers'
