@@ -118,7 +118,7 @@ class Environments:
             if wheels.is_dir():
                 command += ["--find-links", str(wheels)]
             self._run([*command, *requirements])
-            _add_worker(building)
+            _refresh_worker(building)  # the worker, which a package's code may import
             (building / READY).write_text(
                 json.dumps({"requirements": package.requirements, "wheels": package.wheels})
             )
@@ -179,16 +179,3 @@ def _refresh_worker(env: Path) -> None:
         partial.chmod(0o644)
         os.replace(partial, target / name)
         logger.info("environment %s: worker %s updated", env.name, name)
-
-
-def _add_worker(env: Path) -> None:
-    """Copy the worker (``switchyard_client.model``) into the environment's site-packages, so
-    a package's code can import its ``InvalidInput`` and ``Partial``."""
-    spec = import_util.find_spec("switchyard_client.model")
-    assert spec is not None and spec.origin is not None
-    source = Path(spec.origin).parent
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    target = env / "lib" / version / "site-packages" / "switchyard_client"
-    target.mkdir(parents=True, exist_ok=True)
-    for name in ("__init__.py", "model.py"):
-        shutil.copyfile(source / name, target / name)
