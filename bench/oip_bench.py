@@ -17,6 +17,8 @@ import datetime
 import json
 import os
 import platform
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import stages  # noqa: E402
 from peers_bench import PEERS, VENV_OF, ensure_venv, start_peer  # noqa: E402
 
 from tests.e2e.harness import (  # noqa: E402
@@ -88,20 +92,32 @@ def run_wrk(url: str, connections: int, seconds: int, key: str, body: str) -> di
 
 
 def measure(
-    label: str, load: Callable[[int, int], dict], pids: list[int], args: argparse.Namespace
+    label: str,
+    load: Callable[[int, int], dict],
+    pids: list[int],
+    args: argparse.Namespace,
+    profile: list[tuple[int, Path]] | None = None,
 ) -> list[dict]:
     """One row per connection count, measured the same way for every case and peer: a full-length
     unmeasured run at 1 connection first (the first 1-connection point after a start ran slow),
     then at each count a warm-up and a measured run, with the CPU of ``pids`` and their children
-    over it. ``load(connections, seconds)`` runs the load generator (wrk, or grpc_load.py)."""
+    over it. ``load(connections, seconds)`` runs the load generator (wrk, or grpc_load.py).
+    ``profile`` (the gateway's and the agent's pid and sampler output, both run under
+    ``bench/cpu_sampler.py``) samples both during each measured run and prints their CPU per
+    request by stage (``bench/stages.py``)."""
     load(1, args.seconds)
     rows = []
     for connections in (int(c) for c in args.connections.split(",")):
         load(connections, args.warmup)
-        before = sum(cpu_seconds(p) for p in pids)
+        for pid, _ in profile or []:
+            os.kill(pid, signal.SIGUSR1)  # start sampling
+        before_each = [cpu_seconds(p) for p in pids]
         result = load(connections, args.seconds)
-        used = sum(cpu_seconds(p) for p in pids) - before
+        used_each = [cpu_seconds(p) - b for p, b in zip(pids, before_each, strict=True)]
+        used = sum(used_each)
         seconds = result["duration_us"] / 1e6
+        if profile is not None:
+            print(_stage_table(label, connections, result["requests"], pids, used_each, profile))
         rows.append(
             {
                 "case": label,
@@ -115,6 +131,35 @@ def measure(
         )
         print(_row(rows[-1]), flush=True)
     return rows
+
+
+def _stage_table(
+    label: str,
+    connections: int,
+    requests: int,
+    pids: list[int],
+    used_each: list[float],
+    profile: list[tuple[int, Path]],
+) -> str:
+    """Stop both samplers (their second SIGUSR1 writes the samples) and tabulate by stage."""
+    raws = []
+    for pid, out in profile:
+        out.unlink(missing_ok=True)
+        os.kill(pid, signal.SIGUSR1)
+    for _, out in profile:
+        wait_until(out.exists, 30)
+        time.sleep(0.2)  # written in one go, but give the writer its close
+        raws.append(out.read_text())
+    per_req = {p: u * 1000 / max(requests, 1) for p, u in zip(pids, used_each, strict=True)}
+    (gateway, _), (agent, _) = profile
+    return stages.table(
+        f"{label}, {connections} connections",
+        requests,
+        stages.gateway_stages(raws[0]),
+        per_req[gateway],
+        stages.agent_stages(raws[1]),
+        per_req[agent],
+    )
 
 
 def wrk_load(url: str, key: str, body: str) -> Callable[[int, int], dict]:
@@ -187,7 +232,7 @@ start_plan(model, "canary", v2, {"max_error_rate_increase": 0.02, "max_p99_ratio
 """
 SERVERS = {
     "uvicorn": "-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
-    "--no-access-log --log-level warning",
+    "--no-access-log --log-level warning --http gateway.http_bounds:BoundedHttpProtocol",
     "daphne": "-m daphne -b 127.0.0.1 -p {port} -v 0 platform_site.asgi:application",
 }
 
@@ -212,6 +257,25 @@ def main() -> None:
         help=f"comma-separated peer model servers to add ({','.join(PEERS)}), same ONNX file",
     )
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "latest.md")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the gateway and the agent under bench/cpu_sampler.py and print their CPU per "
+        "request by stage for each measured run (bench/stages.py)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every case and peer this many times, in turn (paired rounds: each "
+        "round's rows come from minutes apart), then print medians and per-round ratios",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="a git revision whose tree (checked out in a temporary worktree) runs the same "
+        "cases beside the working tree's, in the same rounds: an A/B of a change",
+    )
     args = parser.parse_args()
     peers = [p for p in args.peers.split(",") if p]
     for venv in sorted({VENV_OF[p] for p in peers}):  # pip, if needed, before anything starts
@@ -222,103 +286,207 @@ def main() -> None:
     atexit.register(redis.terminate)  # also when the set-up below fails
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+    trees = [("", ROOT)]
+    if args.baseline:
+        trees.append((f" @{args.baseline}", _worktree(args.baseline, tmp)))
     backend = services_backend(tmp)
     backend.env["SWITCHYARD_DEMO_TEXT_SECONDS"] = "1"  # the text model plays no part here
     # Training the demo model takes minutes on a busy machine, past manage()'s default.
     backend.manage("bootstrap_demo", timeout=900)  # writes its credentials to demo.json, 0600
     creds = json.loads((backend.var_dir / "demo.json").read_text())
-    key, token = creds["api_key"], creds["node_token"]
     artifact = backend.shell(
         "from registry.models import ModelVersion;"
         "print(ModelVersion.objects.get(model__name='fraud-detector').artifact.path)"
     ).strip()
-    features = np.random.default_rng(1).normal(size=32).round(4).tolist()
-    bodies = {
-        "oip": json.dumps(
-            {
-                "inputs": [
-                    {"name": "features", "shape": [1, 32], "datatype": "FP32", "data": features}
-                ]
-            }
-        ),
-        "predict": json.dumps({"instances": [features]}),
-    }
-    paths = {
-        "oip": "/v2/models/fraud-detector/infer",
-        "predict": "/api/v1/models/fraud-detector/predict",
-    }
-    rows = []
-    notes: list[str] = []
-    running: list[Proc] = []  # stopped in ``finally`` too, so a failed run leaves nothing behind
+    bench = Bench(args, backend, tmp, redis, creds["api_key"], creds["node_token"])
+    rows: list[dict] = []
     try:
-        for label, server, kind, hop, workers in (CASES[c] for c in args.cases.split(",") if c):
-            if label == CASES["canary"][0]:
-                backend.shell(START_CANARY)
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            env = {**backend.env, "LOG_LEVEL": "WARNING"}
-            if hop:  # no data links, so the front process must go through Redis
-                env["SWITCHYARD_AGENT_LINKS"] = "0"
-            grpc_address = f"127.0.0.1:{free_port()}"
-            if kind == "grpc":
-                env["SWITCHYARD_GRPC_HOST"], env["SWITCHYARD_GRPC_PORT"] = grpc_address.split(":")
-            cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=port).split()]
-            if workers > 1:
-                cmd += ["--workers", str(workers)]
-                # One metrics directory, so /metrics sums the workers' dispatch counters.
-                env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(dir=tmp)
-            srv = Proc(server, cmd, env, tmp)
-            servers = [srv]
-            if hop:
-                front_port = free_port()
-                cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=front_port).split()]
-                servers.append(Proc(f"{server}-front", cmd, env, tmp))
-            agent_cmd = f"taskset -c 0 {PY} -m serving_agent --platform {url} --token {token} "
-            agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
-            agent = Proc("agent", agent_cmd.split(), env, tmp)
-            running[:] = [*servers, agent]
-            headers = {"Authorization": f"Bearer {key}"}
-            ready = f"{url}/v2/models/fraud-detector/ready"
-            wait_until(partial(_ok, ready, headers), 60, agent)
-            if label == CASES["canary"][0]:
-                v2_ready = f"{url}/v2/models/fraud-detector/versions/2/ready"
-                wait_until(partial(_ok, v2_ready, headers), 60, agent)
-            if workers > 1:  # the agent's data links reach the other workers within seconds
-                time.sleep(8)
-            if hop:
-                url = f"http://127.0.0.1:{front_port}"
-                front_ready = f"{url}/v2/models/fraud-detector/ready"
-                wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
-            pids = [*(p.popen.pid for p in servers), agent.popen.pid, redis.pid]
-            if kind == "grpc":
-                load = grpc_streams(grpc_address, key)
-            else:
-                load = wrk_load(url + paths[kind], key, bodies[kind])
-            rows += measure(label, load, pids, args)
-            if workers > 1:
-                counts = dispatched(url)
-                notes.append(
-                    f"{label}: {counts['local']:,.0f} requests handed to the agent in process, "
-                    f"{counts['forwarded']:,.0f} through Redis (warm-ups included)."
-                )
-            agent.stop()
-            for proc in servers:
-                proc.stop()
-        for name in peers:  # the same ONNX file, body, pinning and measure()
-            peer = start_peer(name, Path(artifact), tmp, bodies["oip"])
-            running[:] = peer.procs
-            rows += measure(peer.label, wrk_load(peer.url, "", bodies["oip"]), peer.pids(), args)
-            peer.stop()
+        for round_ in range(args.rounds):
+            for case in (c for c in args.cases.split(",") if c):
+                for suffix, tree in trees:
+                    rows += bench.switchyard(case, tree, suffix, round_)
+            for name in peers:  # the same ONNX file, body, pinning and measure()
+                peer = start_peer(name, Path(artifact), tmp, BODIES["oip"])
+                bench.running[:] = peer.procs
+                load = wrk_load(peer.url, "", BODIES["oip"])
+                rows += _in_round(measure(peer.label, load, peer.pids(), args), round_)
+                peer.stop()
         single, batched = in_process_onnx(Path(artifact).read_bytes())
     finally:
-        for proc in running:
+        for proc in bench.running:
             proc.stop()
         backend.close()
         redis.terminate()
-    table = _table(rows, single, batched) + "".join(f"\n{n}\n" for n in notes)
+        for _, tree in trees[1:]:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    table = _table(rows, single, batched) + "".join(f"\n{n}\n" for n in bench.notes)
+    if args.rounds > 1:
+        table += "\n" + _medians(rows, [suffix for suffix, _ in trees[1:]])
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
+
+
+FEATURES = np.random.default_rng(1).normal(size=32).round(4).tolist()
+BODIES = {
+    "oip": json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 32], "datatype": "FP32", "data": FEATURES}]}
+    ),
+    "predict": json.dumps({"instances": [FEATURES]}),
+}
+PATHS = {
+    "oip": "/v2/models/fraud-detector/infer",
+    "predict": "/api/v1/models/fraud-detector/predict",
+}
+
+
+class Bench:
+    """One run's shared parts: the backend with the demo, the Redis, the processes running."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        backend: Any,
+        tmp: Path,
+        redis: subprocess.Popen,
+        key: str,
+        token: str,
+    ) -> None:
+        self.args, self.backend, self.tmp, self.redis = args, backend, tmp, redis
+        self.key, self.token = key, token
+        self.running: list[Proc] = []  # stopped in main's ``finally`` on a failed run
+        self.notes: list[str] = []
+        self.canary_started = False
+
+    def switchyard(self, case: str, tree: Path, suffix: str, round_: int) -> list[dict]:
+        """Start the case's gateway process(es) and agent from ``tree``, measure, stop."""
+        args, backend, tmp = self.args, self.backend, self.tmp
+        label, server, kind, hop, workers = CASES[case]
+        label += suffix
+        if case == "canary" and not self.canary_started:
+            backend.shell(START_CANARY)
+            self.canary_started = True
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {**backend.env, "LOG_LEVEL": "WARNING"}
+        if hop:  # no data links, so the front process must go through Redis
+            env["SWITCHYARD_AGENT_LINKS"] = "0"
+        grpc_address = f"127.0.0.1:{free_port()}"
+        if kind == "grpc":
+            env["SWITCHYARD_GRPC_HOST"], env["SWITCHYARD_GRPC_PORT"] = grpc_address.split(":")
+        # --profile: the gateway and the agent run under bench/cpu_sampler.py.
+        sampled = args.profile and not hop and workers == 1
+        name = label.replace(" ", "_").replace("/", "_").replace(",", "")
+        outs = (tmp / f"{name}-gateway.raw", tmp / f"{name}-agent.raw")
+        cmd = [PY, *SERVERS[server].format(port=port).split()]
+        cmd = ["taskset", "-c", "0", *(stages.sampled_command(outs[0], cmd) if sampled else cmd)]
+        if workers > 1:
+            cmd += ["--workers", str(workers)]
+            # One metrics directory, so /metrics sums the workers' dispatch counters.
+            env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(dir=tmp)
+        srv = Proc(server, cmd, env, tmp, cwd=tree)
+        servers = [srv]
+        if hop:
+            front_port = free_port()
+            cmd = ["taskset", "-c", "0", PY, *SERVERS[server].format(port=front_port).split()]
+            servers.append(Proc(f"{server}-front", cmd, env, tmp, cwd=tree))
+        agent_cmd = f"{PY} -m serving_agent --platform {url} --token {self.token} "
+        agent_cmd += f"--cache-dir {tmp / 'cache'} --log-level WARNING"
+        cmd = agent_cmd.split()
+        cmd = ["taskset", "-c", "0", *(stages.sampled_command(outs[1], cmd) if sampled else cmd)]
+        agent = Proc("agent", cmd, env, tmp, cwd=tree)
+        self.running[:] = [*servers, agent]
+        headers = {"Authorization": f"Bearer {self.key}"}
+        wait_until(partial(_ok, f"{url}/v2/models/fraud-detector/ready", headers), 60, agent)
+        if case == "canary":
+            v2_ready = f"{url}/v2/models/fraud-detector/versions/2/ready"
+            wait_until(partial(_ok, v2_ready, headers), 60, agent)
+        if workers > 1:  # the agent's data links reach the other workers within seconds
+            time.sleep(8)
+        if hop:
+            url = f"http://127.0.0.1:{front_port}"
+            front_ready = f"{url}/v2/models/fraud-detector/ready"
+            wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
+        pids = [*(p.popen.pid for p in servers), agent.popen.pid, self.redis.pid]
+        if kind == "grpc":
+            load = grpc_streams(grpc_address, self.key)
+        else:
+            load = wrk_load(url + PATHS[kind], self.key, BODIES[kind])
+        spied = [(srv.popen.pid, outs[0]), (agent.popen.pid, outs[1])] if sampled else None
+        rows = _in_round(measure(label, load, pids, args, spied), round_)
+        if workers > 1:
+            counts = dispatched(url)
+            self.notes.append(
+                f"{label}: {counts['local']:,.0f} requests handed to the agent in process, "
+                f"{counts['forwarded']:,.0f} through Redis (warm-ups included)."
+            )
+        agent.stop()
+        for proc in servers:
+            proc.stop()
+        return rows
+
+
+def _in_round(rows: list[dict], round_: int) -> list[dict]:
+    return [row | {"round": round_} for row in rows]
+
+
+def _worktree(ref: str, tmp: Path) -> Path:
+    """``ref``'s tree in a temporary git worktree (run with this checkout's .venv)."""
+    path = tmp / "baseline"
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), ref],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+def _medians(rows: list[dict], baselines: list[str]) -> str:
+    """Per case and connection count, the medians over the rounds; then, per round, each
+    baseline's and each peer's CPU per request against the working tree's first case, and
+    the median of those ratios (pairs from the same round, minutes apart)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["case"], row["connections"]), []).append(row)
+    out = [
+        f"Medians over {max(r['round'] for r in rows) + 1} rounds:",
+        "",
+        "| case | connections | req/s | p99 ms | server CPU ms/req |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for (case, connections), group in groups.items():
+        out.append(
+            f"| {case} | {connections} | {statistics.median(r['rps'] for r in group):,.0f} | "
+            f"{statistics.median(r['p99_ms'] for r in group):.2f} | "
+            f"{statistics.median(r['cpu_ms_per_req'] for r in group):.3f} |"
+        )
+    cases = list(dict.fromkeys(case for case, _ in groups))
+    first = cases[0]
+    out += [
+        "",
+        f"Paired ratios, server CPU per request against {first!r} (each round's pair; median):",
+        "",
+        "| case | connections | ratios by round | median |",
+        "| --- | --- | --- | --- |",
+    ]
+    for case in cases[1:]:
+        for (other, connections), group in groups.items():
+            if other != case:
+                continue
+            ratios = []
+            for row in group:
+                mine = [
+                    r for r in groups.get((first, connections), []) if r["round"] == row["round"]
+                ]
+                if mine:
+                    ratios.append(row["cpu_ms_per_req"] / mine[0]["cpu_ms_per_req"])
+            if ratios:
+                shown = ", ".join(f"{r:.2f}" for r in ratios)
+                out.append(
+                    f"| {case} | {connections} | {shown} | {statistics.median(ratios):.2f}x |"
+                )
+    return "\n".join(out) + "\n"
 
 
 def _ok(url: str, headers: dict) -> bool:
@@ -329,8 +497,9 @@ def _ok(url: str, headers: dict) -> bool:
 
 
 def _row(r: dict) -> str:
+    case = r["case"] if not r.get("round") else f"{r['case']} (round {r['round'] + 1})"
     return (
-        f"| {r['case']} | {r['connections']} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
+        f"| {case} | {r['connections']} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | "
         f"{r['p99_ms']:.2f} | {r['cpu_ms_per_req']:.3f} | {r['errors']} |"
     )
 
