@@ -24,7 +24,7 @@ import asyncio
 from typing import Any
 
 from django.conf import settings
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from serving_agent.protocol import AGENT_WS_PATH
 
@@ -35,16 +35,75 @@ LINGER_S = 2.0
 
 class _Lingering:
     """A connection's transport as uvicorn's request cycle sees it, with ``close`` made
-    lingering (``DrainingHttp.close_lingering``); everything else is the transport's."""
+    lingering (``DrainingHttp.close_lingering``) and a reply's head held back to go out with
+    its body in one write (``_OneWriteCycle``); everything else is the transport's."""
+
+    __slots__ = ("_protocol", "_transport", "hold_next", "_held")
 
     def __init__(self, protocol: DrainingHttp, transport: asyncio.Transport) -> None:
         self._protocol, self._transport = protocol, transport
+        self.hold_next = False  # the next write is a reply's head: keep it for the body
+        self._held: bytes | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
+    def write(self, data: bytes) -> None:
+        if self.hold_next:
+            self.hold_next = False
+            self._held = data
+            return
+        held = self._held
+        if held is not None:
+            self._held = None
+            data = held + data
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write a held head (its body will not come: the cycle ended or failed)."""
+        self.hold_next = False
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
     def close(self) -> None:
+        self.flush()
         self._protocol.close_lingering(self._transport)
+
+
+class _OneWriteCycle(RequestResponseCycle):
+    """uvicorn's request cycle, whose reply head (status line and headers) goes out in one
+    write with the body, not in a write of its own: each write is a system call and a wake of
+    the reader, ~a tenth of the gateway's CPU per request at 64 connections (bench/README.md,
+    "The gateway's own cost"). Held only where a body write surely follows in the same send
+    sequence: the head names a Content-Length (a whole body, not a stream whose first chunk
+    may come much later) and the request is not a HEAD (which gets no body write)."""
+
+    async def send(self, message: Any) -> None:
+        transport = self.transport
+        if (
+            message["type"] == "http.response.start"
+            and not self.response_started
+            and isinstance(transport, _Lingering)
+            and self.scope["method"] != "HEAD"
+            and any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))
+        ):
+            transport.hold_next = True
+            try:
+                await super().send(message)
+            except BaseException:
+                transport.flush()
+                raise
+            return
+        try:
+            await super().send(message)  # a body's write takes the held head with it
+        except BaseException:
+            if isinstance(transport, _Lingering):
+                transport.flush()
+            raise
 
 
 class DrainingHttp(HttpToolsProtocol):
@@ -100,6 +159,10 @@ class DrainingHttp(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        if self.cycle is not None and type(self.cycle) is RequestResponseCycle:
+            # The cycle uvicorn just made, as its one-write variant (same state, one method
+            # more); its task has not started yet, so every send goes through the variant.
+            self.cycle.__class__ = _OneWriteCycle
         if self.draining and self.cycle is not None:
             # A request that arrived while draining is served, and ends the connection.
             if self.idle_close is not None:
