@@ -14,6 +14,7 @@ the test's own thread sees).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,20 @@ _executor_lock = threading.Lock()
 
 
 def db_call(fn: Callable[P, R]) -> Callable[P, Awaitable[R]]:
-    """``fn`` as a coroutine function run on the gateway's database threads."""
+    """``fn`` as a coroutine function run on the gateway's database threads (made once per
+    function: building asgiref's wrapper on every call was a tenth of the refresh loop's CPU
+    at rest, bench/idle_bench.py)."""
+    key = (fn, settings.SWITCHYARD_DB_THREADS)
+    found = _wrapped.get(key)
+    if found is None:
+        found = _wrapped[key] = _wrap(fn)
+    return found
+
+
+_wrapped: dict[tuple[Callable[..., Any], int], Callable[..., Awaitable[Any]]] = {}
+
+
+def _wrap(fn: Callable[P, R]) -> Callable[P, Awaitable[R]]:
     if settings.SWITCHYARD_DB_THREADS <= 0:
         return database_sync_to_async(fn)
 
@@ -80,3 +94,26 @@ def set_timeouts(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) ->
 
 
 connection_created.connect(set_timeouts, dispatch_uid="gateway.db.set_timeouts")
+
+
+def database_stamp() -> tuple[int, ...] | None:
+    """On SQLite, a stamp that moves with every commit by any process: the inode, size and
+    modification time of the database file and of its write-ahead log (a commit appends to
+    the log, a checkpoint rewrites both), read with two ``stat`` calls. While it stands still
+    nothing was written, and the gateway's refresh need not ask the database (at rest that
+    was most of the web process's CPU: bench/idle_bench.py). None elsewhere, and where the
+    database calls share the test's thread (``SWITCHYARD_DB_THREADS=0``: a test's rows are
+    in its uncommitted transaction, which no file shows)."""
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] != "django.db.backends.sqlite3" or settings.SWITCHYARD_DB_THREADS <= 0:
+        return None
+    name = str(database["NAME"])
+    stamp: list[int] = []
+    for path in (name, f"{name}-wal"):
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            stamp += (0, 0, 0)
+            continue
+        stamp += (found.st_ino, found.st_size, found.st_mtime_ns)
+    return tuple(stamp)

@@ -27,11 +27,12 @@ from serving_agent.protocol import AGENT_WS_PATH
 
 from .asgi_types import Receive, Scope, Send
 from .db import db_call
+from .drain import RestingServer
 
 log = logging.getLogger(__name__)
 
 
-class _LinkServer(uvicorn.Server):
+class _LinkServer(RestingServer):
     """A uvicorn server that leaves the process's signals to the process's own server: that
     one stops on SIGTERM, and its lifespan shutdown stops this one after the requests in
     flight are answered."""

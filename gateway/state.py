@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -34,7 +36,7 @@ from tenants.ratelimit import InFlightLimit, LocalLimiter, RedisLeaseLimiter
 from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBudget
 
 from .breakers import Breaker
-from .db import db_call
+from .db import database_stamp, db_call
 from .dispatch import AgentLink, AgentPool, DispatchError, NotReady
 from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
@@ -53,6 +55,33 @@ DB_RETRY_AFTER_S = 1  # Retry-After of a request whose lookup the database did n
 # A process whose refresh has not reached the database for this long, and that holds no ready
 # agent link, says it is not ready (/v2/health/ready): it can serve nothing.
 READY_STALE_S = 30.0
+# Where the database's files show that nothing was written (SQLite), the refresh still reads
+# this often: the budgets' stops also follow the calendar (a new month lifts them).
+QUIET_READ_S = 30.0
+# A process that answered no prediction for REST_AFTER_S refreshes every REST_INTERVAL_S.
+REST_AFTER_S = 10.0
+REST_INTERVAL_S = 1.0
+
+
+@dataclass
+class SharedRead:
+    """What one refresh reads from the database, in one trip to a database thread."""
+
+    generation: int
+    changes: list[Change] | None
+    agents: list[nodes.LiveAgent] | None  # with several processes only
+    budget_stops: dict[int, str] | None  # when due
+
+
+def read_shared(seen: int | None, several: bool, budgets: bool) -> SharedRead:
+    generation, changes = changes_since(seen)
+    return SharedRead(
+        generation,
+        changes,
+        nodes.live_agents() if several else None,
+        stopped_tenants() if budgets else None,
+    )
+
 
 T = TypeVar("T")
 _K = TypeVar("_K")  # a cache's key and value (_remember)
@@ -102,6 +131,10 @@ class GatewayState:
         # every SWITCHYARD_BUDGET_REFRESH_S, so a request costs a dict lookup, no query.
         self.budget_stops: dict[int, str] = {}
         self._budgets_read = 0.0
+        self.served_at = -math.inf  # time.perf_counter() of the last prediction answered
+        # The SQLite files' stamp at the last read (gateway.db.database_stamp), and when.
+        self._stamp: tuple[int, ...] | None = None
+        self._read_at = 0.0
         self._generation: int | None = None
         self._key_use: dict[int, datetime] = {}
         self._last_flush = time.monotonic()
@@ -272,6 +305,7 @@ class GatewayState:
     def observe(self, observed: Observed, status: int) -> None:
         """A prediction was answered: count it, and offer it to the prediction log (which
         samples it, and never blocks)."""
+        self.served_at = observed.started
         seconds = time.perf_counter() - observed.started
         if self.count_metrics:
             self.metrics.record(observed, status, seconds)
@@ -307,7 +341,16 @@ class GatewayState:
                 self.refreshed_at = time.monotonic()
             except Exception:  # a database blip must not stop the loop for good
                 log.exception("gateway refresh failed; retrying")
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self.refresh_interval())
+
+    def refresh_interval(self) -> float:
+        """``SWITCHYARD_REFRESH_INTERVAL_S`` while this process serves predictions; at rest (none
+        for ``REST_AFTER_S``) ``REST_INTERVAL_S``: the refresh's trip to the database was most
+        of the web process's CPU at rest (bench/idle_bench.py), and at rest no cached answer is
+        being used. A change still reaches a resting process within ``REST_INTERVAL_S``."""
+        if time.perf_counter() - self.served_at < REST_AFTER_S:
+            return self._interval
+        return max(self._interval, REST_INTERVAL_S)
 
     def serving_ready(self) -> bool:
         """Whether this process can serve predictions now (``/v2/health/ready``): it has read
@@ -322,22 +365,33 @@ class GatewayState:
     async def refresh_once(self) -> None:
         self.metrics.fold()
         fold_dispatched(self.pool.dispatched)
-        seen = self._generation
-        generation, changes = await db_call(changes_since)(seen)
-        if generation != seen:
-            self._generation = generation
-            if seen is not None and self.forget(changes):
-                for consumer in list(self.agent_consumers):
-                    await consumer.push_assignment()
-        await self._refresh_agents()
-        if time.monotonic() - self._budgets_read >= settings.SWITCHYARD_BUDGET_REFRESH_S:
-            self._budgets_read = time.monotonic()
-            self.budget_stops = await db_call(stopped_tenants)()
-        if time.monotonic() - self._gateways_checked > gateways.SEEN_EVERY_S:
-            self._gateways_checked = time.monotonic()
+        now = time.monotonic()
+        layer = get_channel_layer()
+        several = layer is not None and not isinstance(layer, InMemoryChannelLayer)
+        # Taken before the read: a commit during it moves the stamp, and the next refresh reads.
+        stamp = database_stamp()
+        if stamp is None or stamp != self._stamp or now - self._read_at >= QUIET_READ_S:
+            budgets_due = now - self._budgets_read >= settings.SWITCHYARD_BUDGET_REFRESH_S
+            seen = self._generation
+            # One trip to a database thread for everything the refresh reads.
+            read = await db_call(read_shared)(seen, several, budgets_due)
+            self._stamp, self._read_at = stamp, now
+            if read.generation != seen:
+                self._generation = read.generation
+                if seen is not None and self.forget(read.changes):
+                    for consumer in list(self.agent_consumers):
+                        await consumer.push_assignment()
+            if read.agents is not None:
+                assert layer is not None
+                await self._refresh_agents(layer, read.agents)
+            if read.budget_stops is not None:
+                self._budgets_read = now
+                self.budget_stops = read.budget_stops
+        if now - self._gateways_checked > gateways.SEEN_EVERY_S:
+            self._gateways_checked = now
             await self._refresh_gateways()
-        if time.monotonic() - self._last_flush > FLUSH_S:
-            self._last_flush = time.monotonic()
+        if now - self._last_flush > FLUSH_S:
+            self._last_flush = now
             used, self._key_use = self._key_use, {}
             if used:
                 await db_call(record_key_use)(used)
@@ -348,13 +402,9 @@ class GatewayState:
             if shadows:
                 await db_call(record_shadow)(shadows)
 
-    async def _refresh_agents(self) -> None:
+    async def _refresh_agents(self, layer: BaseChannelLayer, agents: list[nodes.LiveAgent]) -> None:
         """Follow the agents alive in every process: the ready versions of the data links held
         here, and (the fallback) where to forward a request no link here can serve."""
-        layer = get_channel_layer()
-        if layer is None or isinstance(layer, InMemoryChannelLayer):
-            return  # one process: every agent is local
-        agents = await db_call(nodes.live_agents)()
         await self._follow_sessions(agents)
         local = self.pool.local_channel_names()
         remote: dict[int, list[str]] = {}

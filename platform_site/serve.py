@@ -1,5 +1,6 @@
 """The web process's command: ``python -m platform_site.serve APP [uvicorn's options]`` is
-uvicorn's own command line, with one change to its ``--workers N`` parent process.
+uvicorn's own command line, with two changes: its ``--workers N`` parent process, and the
+server's housekeeping tick.
 
 The parent holds a copy of the listening socket (to start a worker again if one dies). On
 SIGTERM each worker stops accepting and drains (gateway/drain.py), but the socket stays open
@@ -20,6 +21,8 @@ from types import FrameType
 
 from uvicorn.config import Config
 from uvicorn.supervisors.multiprocess import Multiprocess
+
+from gateway.drain import RestingServer
 
 
 class ClosingMultiprocess(Multiprocess):
@@ -47,6 +50,7 @@ def main() -> None:
     # The module, not the package's ``uvicorn.main`` (a name the package rebinds to the function).
     command = importlib.import_module("uvicorn.main")
     command.Multiprocess = ClosingMultiprocess  # type: ignore[attr-defined]
+    command.Server = RestingServer  # type: ignore[attr-defined]
     command.main()
 
 

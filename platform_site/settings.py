@@ -170,7 +170,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 20,
     }
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # Connections are kept (CONN_MAX_AGE from above), as on PostgreSQL: a new one per query
+    # (connect plus the PRAGMAs) was a third of the web process's CPU at rest, every refresh
+    # of the gateway opening one (bench/idle_bench.py).
     # The file holds password hashes, sessions and tokens: 0600 before SQLite first opens it
     # (its -wal and -shm files take the database file's mode).
     private_file(Path(DATABASES["default"]["NAME"]))
