@@ -231,7 +231,8 @@ start_plan(model, "canary", v2, {"max_error_rate_increase": 0.02, "max_p99_ratio
            "min_samples": 100}, Actor(None, "bench"), weight=50)
 """
 SERVERS = {
-    "uvicorn": "-m platform_site.serve platform_site.asgi:application --host 127.0.0.1 --port {port} "
+    "uvicorn": "-m platform_site.serve platform_site.asgi:application "
+    "--host 127.0.0.1 --port {port} "
     "--no-access-log --log-level warning --http gateway.http_bounds:BoundedHttpProtocol",
     "daphne": "-m daphne -b 127.0.0.1 -p {port} -v 0 platform_site.asgi:application",
 }

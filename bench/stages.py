@@ -71,6 +71,8 @@ GATEWAY_RULES: list[tuple[str, str, str | None]] = [
     ("accept and parse", "gateway/oip.py", None),
     ("accept and parse", "platform_site/asgi.py", None),
     ("accept and parse", "gateway/http_bounds.py", None),
+    ("encode", "gateway/drain.py", "_OneWriteCycle.send"),  # the reply's one write
+    ("encode", "gateway/drain.py", "write"),
     ("accept and parse", "gateway/drain.py", None),
     ("accept and parse", "channels/routing.py", None),
 ]
@@ -145,8 +147,9 @@ def _frames(line: str) -> tuple[list[tuple[str, str]], int]:
 
 def _match(frames: list[tuple[str, str]], rules: list[tuple[str, str, str | None]]) -> str | None:
     for function, where in frames:
+        method = function.rpartition(".")[2]  # "AgentPool._wait" matches a rule for "_wait"
         for stage, suffix, name in rules:
-            if suffix in where and (name is None or name == function):
+            if suffix in where and (name is None or name == function or name == method):
                 return stage
     return None
 

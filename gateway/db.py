@@ -107,7 +107,11 @@ def database_stamp() -> tuple[int, ...] | None:
     database = settings.DATABASES["default"]
     if database["ENGINE"] != "django.db.backends.sqlite3" or settings.SWITCHYARD_DB_THREADS <= 0:
         return None
-    name = str(database["NAME"])
+    return sqlite_stamp(str(database["NAME"]))
+
+
+def sqlite_stamp(name: str) -> tuple[int, ...]:
+    """``database_stamp`` of the SQLite database file ``name``."""
     stamp: list[int] = []
     for path in (name, f"{name}-wal"):
         try:

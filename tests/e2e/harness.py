@@ -447,7 +447,8 @@ class Proc:
 
 
 SERVER_ARGS = {
-    "uvicorn": "-m platform_site.serve platform_site.asgi:application --host 127.0.0.1 --port {port} "
+    "uvicorn": "-m platform_site.serve platform_site.asgi:application "
+    "--host 127.0.0.1 --port {port} "
     "--no-access-log --http gateway.http_bounds:BoundedHttpProtocol",
     "daphne": "-m daphne -b 127.0.0.1 -p {port} platform_site.asgi:application",
 }
