@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HADOLINT = ROOT / ".venv" / "bin" / "hadolint"
 DOCKERFILES = ["Dockerfile", "agent/Dockerfile", "agent/Dockerfile.cuda"]
-LIGHT = ["onnxruntime", "numpy", "websockets", "msgspec", "httpx", "pydantic"]
+LIGHT = ["onnxruntime", "numpy", "websockets", "msgspec", "httpx", "pydantic", "uvloop"]
 HEAVY = ["django", "celery", "channels", "torch", "transformers"]
 
 
