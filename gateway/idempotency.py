@@ -221,7 +221,10 @@ class RedisAnswers:
         return self.local.answer_bytes
 
     async def claim(self, tenant: int, scope: str, fingerprint: str, key: str) -> Stored | None:
-        if not self.circuit.closed:
+        # A key claimed or answered here while Redis was away stays here (as ``complete`` and
+        # ``release`` do): a retry that comes once the circuit has closed again is still given
+        # the answer this process kept, instead of computing it a second time.
+        if not self.circuit.closed or scope in self.local:
             return await self.local.claim(tenant, scope, fingerprint, key)
         try:
             found = await self.circuit.call(self._claim, REDIS_PREFIX + scope, fingerprint)
