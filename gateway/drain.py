@@ -21,6 +21,7 @@ requests here, measured by bench/drill_restarts.py:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -86,6 +87,11 @@ class _OneWriteCycle(RequestResponseCycle):
     "The gateway's own cost"). Held only where a body write surely follows in the same send
     sequence: the head names a Content-Length (a whole body, not a stream whose first chunk
     may come much later) and the request is not a HEAD (which gets no body write)."""
+
+    # Called when the connection ends before the reply is complete: a door waiting for an
+    # agent sets it (``frontdoor.DisconnectWatch``) to cancel its work without watching
+    # ``receive`` in a task of its own.
+    on_disconnect: Callable[[], None] | None = None
 
     async def send(self, message: Any) -> None:
         transport = self.transport
@@ -180,7 +186,11 @@ class DrainingHttp(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self.idle_close = self.linger_close = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        hook = getattr(cycle, "on_disconnect", None)
+        if hook is not None and not cycle.response_complete:
+            hook()
 
 
 _draining_classes: dict[type, type] = {}

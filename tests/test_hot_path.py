@@ -17,6 +17,8 @@ from uvicorn.server import ServerState
 from gateway.asgi_io import respond
 from gateway.db import sqlite_stamp
 from gateway.dispatch import Deadlines, Expired
+from gateway.errors import ApiError
+from gateway.frontdoor import until_client_leaves
 from gateway.http_bounds import BoundedHttpProtocol
 from gateway.state import REST_AFTER_S, REST_INTERVAL_S, GatewayState
 
@@ -89,7 +91,9 @@ async def streamed(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-def serve(app: Any, request: bytes, wait: float = 0.02) -> tuple[list[bytes], list[bytes]]:
+def serve(
+    app: Any, request: bytes, wait: float = 0.02, linger: float = 0.2
+) -> tuple[list[bytes], list[bytes]]:
     """The writes of one request served by the production protocol class: those made by
     ``wait`` seconds after the request arrived, and all of them."""
 
@@ -104,8 +108,9 @@ def serve(app: Any, request: bytes, wait: float = 0.02) -> tuple[list[bytes], li
         protocol.data_received(request)
         await asyncio.sleep(wait)
         early = list(transport.writes)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(linger)
         protocol.connection_lost(None)
+        await asyncio.sleep(0.01)  # the request's task sees a hang-up
         return early, transport.writes
 
     return asyncio.run(scenario())
@@ -155,3 +160,28 @@ def test_a_process_at_rest_refreshes_every_second_and_every_half_while_serving()
     assert state.refresh_interval() == 0.5
     state.served_at = time.perf_counter() - REST_AFTER_S - 1
     assert state.refresh_interval() == REST_INTERVAL_S
+
+
+def test_a_hang_up_cancels_the_waiting_request_through_the_protocol_without_a_task() -> None:
+    seen: dict[str, Any] = {}
+
+    async def waits(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # the body
+        work = asyncio.get_running_loop().create_future()
+        tasks_before = len(asyncio.all_tasks())
+
+        async def wait_for_agent() -> None:
+            await asyncio.sleep(0.1)  # past WATCH_AFTER_S: a watcher task would have started
+            seen["tasks"] = len(asyncio.all_tasks()) - tasks_before
+            await work
+
+        try:
+            await until_client_leaves(receive, wait_for_agent())
+        except ApiError as exc:
+            seen["status"], seen["at"] = exc.status, time.monotonic()
+
+    hung_up = time.monotonic()
+    serve(waits, b"POST /v2 HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}", linger=0.15)
+    assert seen["tasks"] == 0  # the protocol watches the connection: no task of its own
+    assert seen["status"] == 499
+    assert seen["at"] - hung_up >= 0.15  # at the hang-up (connection_lost), not before
