@@ -3,6 +3,8 @@ every tensor codec (OIP REST and gRPC, the prediction API, embeddings)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from serving_agent.protocol import OIP_TO_NUMPY
@@ -33,6 +35,16 @@ def check_input(
     return spec
 
 
+def _all_finite(array: np.ndarray) -> bool:
+    """No NaN or infinity in ``array``. A finite sum says so in one pass of one ufunc (the
+    common case; ``ndarray.all`` goes through numpy's Python wrapper, ~1 % of the gateway's
+    CPU per request); a sum that is not finite (NaN, infinity, or finite values summing past
+    the dtype's range) is settled value by value."""
+    if math.isfinite(np.add.reduce(array, axis=None)):
+        return True
+    return bool(np.isfinite(array).all())
+
+
 def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
     """Refuse a tensor the version's signature does not accept."""
     if len(array.shape) != len(spec.shape) or any(
@@ -43,7 +55,7 @@ def check_tensor(spec: InputSpec, array: np.ndarray, where: str) -> None:
             f"{where}: shape {list(array.shape)} does not match the signature "
             f"{list(spec.shape)} of input {spec.name!r}",
         )
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
+    if array.dtype.kind == "f" and not _all_finite(array):
         if not spec.allow_missing:
             raise ApiError(
                 400,

@@ -16,13 +16,12 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from channels.layers import BaseChannelLayer, InMemoryChannelLayer, get_channel_layer
 from django.conf import settings
 from django.db import DatabaseError
-from django.utils import timezone
 
 from fleet import coldstart, gateways, nodes
 from fleet.changes import Change, changes_since
@@ -165,7 +164,8 @@ class GatewayState:
             identity = await lookup(identify_key, raw_key)
             self._remember(self._keys, raw_key, identity, drops)
         if identity is not None and used:
-            self._key_use[identity.key_id] = timezone.now()
+            # timezone.now() without its read of settings.USE_TZ (on, always, here)
+            self._key_use[identity.key_id] = datetime.now(UTC)
         return identity
 
     async def route(self, tenant_id: int, model_name: str, target: int | str) -> Route:
