@@ -5,25 +5,33 @@ tokenizer called in-process at batch 1/16/64, in the same run.
 The server and the agent (one ONNX Runtime thread, its default) are pinned to CPU 0, as is the
 in-process run; the load generator (asyncio + httpx in this process) to CPU 1. The agent batches
 concurrent requests (max_batch_size 64, no added delay), so the platform's 16- and 64-connection
-rows are the in-process batch-16/64 rows' counterpart. Bounded: under 2 minutes.
-Run: ``.venv/bin/python bench/embed_bench.py [--seconds 5]``.
+rows are the in-process batch-16/64 rows' counterpart. ``--peers kserve,torchserve`` adds peer
+model servers (bench/peers_bench.py: KServe's model server, TorchServe batching 32 / 5 ms)
+serving the same export behind the same tokenizer over OIP v2 REST, loaded the same way.
+Bounded: under 2 minutes, plus about a minute per peer.
+Run: ``.venv/bin/python bench/embed_bench.py [--seconds 5] [--door oip] [--peers kserve]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from peers_bench import start_peer  # noqa: E402
 
 from platform_site.demo import minilm  # noqa: E402
 from tests.e2e.harness import (  # noqa: E402
@@ -88,11 +96,16 @@ DOORS = {"openai": openai_request, "oip": oip_request}
 
 
 async def load(
-    url: str, key: str, connections: int, seconds: float, door: str
+    url: str,
+    key: str,
+    connections: int,
+    seconds: float,
+    request: Callable[[str], tuple[str, dict]],
 ) -> tuple[float, float]:
-    """Closed loop: each connection sends its next request when the last is answered.
-    Returns (embeddings/s, p99 latency ms) over the measured window after a 1 s warm-up."""
-    headers = {"Authorization": f"Bearer {key}"}
+    """Closed loop: each connection sends its next request (``request(text)``: its path and
+    JSON body) when the last is answered. Returns (embeddings/s, p99 latency ms) over the
+    measured window after a 1 s warm-up."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     latencies: list[float] = []
     errors = 0
 
@@ -103,7 +116,7 @@ async def load(
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
             n = i
             while time.perf_counter() < until:
-                path, body = DOORS[door](SENTENCES[n % len(SENTENCES)])
+                path, body = request(SENTENCES[n % len(SENTENCES)])
                 n += 1
                 start = time.perf_counter()
                 reply = await client.post(path, json=body)
@@ -127,6 +140,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per level")
     parser.add_argument(
+        "--peers",
+        default="",
+        help="peer model servers to measure beside it (kserve,torchserve), same model",
+    )
+    parser.add_argument(
         "--door",
         choices=sorted(DOORS),
         default="openai",
@@ -145,8 +163,9 @@ def main() -> None:
         [
             *cpu0,
             PY,
-            *f"-m uvicorn platform_site.asgi:application --host 127.0.0.1 --port {port} "
-            "--no-access-log --log-level warning".split(),
+            *f"-m platform_site.serve platform_site.asgi:application --host 127.0.0.1 "
+            f"--port {port} --no-access-log --log-level warning "
+            "--http gateway.http_bounds:BoundedHttpProtocol".split(),
         ],
         backend.env,
         backend.var_dir,
@@ -182,24 +201,59 @@ def main() -> None:
             assert made.status_code == 201, made.text
             c.put("/api/v1/models/minilm/aliases/production", json={"version": 1})
             wait_until(lambda: c.get("/v2/models/minilm/ready").status_code == 200, 90, agent)
-        through = {n: asyncio.run(load(url, key, n, args.seconds, args.door)) for n in LEVELS}
+        door = DOORS[args.door]
+        through = {n: asyncio.run(load(url, key, n, args.seconds, door)) for n in LEVELS}
     finally:
         agent.stop()
         server.stop()
         backend.close()
+    peers = {}
+    for name in [p for p in args.peers.split(",") if p]:
+        peers[name] = measure_peer(name, artifact, args.seconds)
     if two_cpus:
         os.sched_setaffinity(0, {0})  # the in-process run gets the CPU the platform had
     local = in_process(min(args.seconds, 3.0))
     print()
-    door = "/v1/embeddings" if args.door == "openai" else "OIP v2 REST infer"
-    print(f"MiniLM-L6 embeddings/s via {door} (one string per request; in-process: a batch of N)")
-    print(f"CPUs: {'platform and in-process on CPU 0, load on CPU 1' if two_cpus else 'shared'}")
-    print("| connections = batch | platform emb/s | p99 ms | in-process emb/s | platform share |")
-    print("| --- | --- | --- | --- | --- |")
+    door_name = "/v1/embeddings" if args.door == "openai" else "OIP v2 REST infer"
+    print(f"MiniLM-L6 embeddings/s via {door_name} (one string per request; in-process: a batch")
+    print("of N; peers: OIP v2 REST, one string per request, the same ONNX export and tokenizer)")
+    print(f"CPUs: {'servers and in-process on CPU 0, load on CPU 1' if two_cpus else 'shared'}")
+    head = "| connections = batch | platform emb/s | p99 ms | in-process emb/s | platform share |"
+    rule = "| --- | --- | --- | --- | --- |"
+    for label, _ in peers.values():
+        head += f" {label} emb/s | p99 ms | platform / it |"
+        rule += " --- | --- | --- |"
+    print(head)
+    print(rule)
     for n in LEVELS:
         rate, p99 = through[n]
-        print(f"| {n} | {rate:,.0f} | {p99:.1f} | {local[n]:,.0f} | {rate / local[n]:.0%} |")
+        row = f"| {n} | {rate:,.0f} | {p99:.1f} | {local[n]:,.0f} | {rate / local[n]:.0%} |"
+        for _, rows in peers.values():
+            peer_rate, peer_p99 = rows[n]
+            row += f" {peer_rate:,.0f} | {peer_p99:.1f} | {rate / peer_rate:.2f}x |"
+        print(row)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+
+def measure_peer(
+    name: str, artifact: Path, seconds: float
+) -> tuple[str, dict[int, tuple[float, float]]]:
+    """A peer model server (bench/peers_bench.py) serving the same MiniLM export behind the
+    same tokenizer, on CPU 0, loaded as the platform was: its label and rows by level."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"sy-embed-{name}-"))
+    body = json.dumps(oip_request(SENTENCES[0])[1])
+    peer = start_peer(name, artifact, tmp, body, model="minilm", tokenizer=minilm.tokenizer_path())
+    try:
+        parts = urlsplit(peer.url)
+        origin, path = f"{parts.scheme}://{parts.netloc}", parts.path
+
+        def request(text: str) -> tuple[str, dict]:
+            return path, oip_request(text)[1]
+
+        rows = {n: asyncio.run(load(origin, "", n, seconds, request)) for n in LEVELS}
+    finally:
+        peer.stop()
+    return peer.label, rows
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,6 +44,7 @@ VENVS: dict[str, list[list[str]]] = {
             "torch-model-archiver==0.12.0",
             "onnxruntime==1.31.1",
             "numpy==2.4.6",
+            "tokenizers==0.23.3",  # the MiniLM peers of bench/embed_bench.py
         ],
     ],
     ".mlserver-venv": [
@@ -116,7 +118,11 @@ def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_kserve(model_path: Path, tmp: Path) -> Peer:
+def start_kserve(
+    model_path: Path, tmp: Path, model: str = MODEL, tokenizer: Path | None = None
+) -> Peer:
+    """KServe serving ``model_path`` as ``model``; with ``tokenizer``, a sentence-embedding
+    graph behind it (``peer_oip.TextEmbedder``)."""
     bin_dir = ensure_venv(".peers-venv")
     port = free_port()
     cmd = [
@@ -126,23 +132,25 @@ def start_kserve(model_path: Path, tmp: Path) -> Peer:
         str(bin_dir / "python"),
         str(PEERS_DIR / "kserve_server.py"),
         f"--model_path={model_path}",
-        f"--model_name={MODEL}",
+        f"--model_name={model}",
         f"--http_port={port}",
     ]
+    if tokenizer is not None:
+        cmd.append(f"--tokenizer={tokenizer}")
     proc = Proc("kserve", cmd, _env(bin_dir, KSERVE_LOGLEVEL="WARNING"), tmp)
     label = f"KServe {version('kserve')} model server"
-    return Peer(label, f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc])
+    return Peer(label, f"http://127.0.0.1:{port}/v2/models/{model}/infer", [proc])
 
 
-def torchserve_config(store: Path, ports: tuple[int, int, int]) -> str:
+def torchserve_config(store: Path, ports: tuple[int, int, int], name: str = MODEL) -> str:
     """TorchServe's config.properties: loopback only, one worker, batching 32 / 5 ms, no system
     metrics (a collector process every minute) and no token authorisation (on by default since
     0.11; Switchyard's key check is on the other side of the comparison, so this favours it)."""
     model = {
-        MODEL: {
+        name: {
             "1.0": {
                 "defaultVersion": True,
-                "marName": f"{MODEL}.mar",
+                "marName": f"{name}.mar",
                 "minWorkers": 1,
                 "maxWorkers": 1,
                 "batchSize": TORCHSERVE_BATCH_SIZE,
@@ -157,7 +165,7 @@ def torchserve_config(store: Path, ports: tuple[int, int, int]) -> str:
         f"management_address=http://127.0.0.1:{management}",
         f"metrics_address=http://127.0.0.1:{metrics}",
         f"model_store={store}",
-        f"load_models={MODEL}.mar",
+        f"load_models={name}.mar",
         f"models={json.dumps(model)}",
         "default_workers_per_model=1",
         "disable_system_metrics=true",
@@ -167,19 +175,27 @@ def torchserve_config(store: Path, ports: tuple[int, int, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_torchserve(model_path: Path, tmp: Path) -> Peer:
+def start_torchserve(
+    model_path: Path, tmp: Path, model: str = MODEL, tokenizer: Path | None = None
+) -> Peer:
+    """TorchServe serving ``model_path`` as ``model``; with ``tokenizer`` (packed into the
+    archive as tokenizer.json), a sentence-embedding graph behind it."""
     bin_dir = ensure_venv(".peers-venv")
     home = tmp / "torchserve"
     store = home / "store"
     store.mkdir(parents=True, exist_ok=True)
+    extra = [str(PEERS_DIR / "peer_oip.py")]
+    if tokenizer is not None:
+        shutil.copy(tokenizer, home / "tokenizer.json")
+        extra.append(str(home / "tokenizer.json"))
     subprocess.run(
         [
             str(bin_dir / "torch-model-archiver"),
-            f"--model-name={MODEL}",
+            f"--model-name={model}",
             "--version=1.0",
             f"--serialized-file={model_path}",
             f"--handler={PEERS_DIR / 'torchserve_handler.py'}",
-            f"--extra-files={PEERS_DIR / 'peer_oip.py'}",
+            f"--extra-files={','.join(extra)}",
             f"--export-path={store}",
             "--force",
         ],
@@ -187,7 +203,7 @@ def start_torchserve(model_path: Path, tmp: Path) -> Peer:
     )
     ports = (free_port(), free_port(), free_port())
     config = home / "config.properties"
-    config.write_text(torchserve_config(store, ports))
+    config.write_text(torchserve_config(store, ports, model))
     cmd = [
         "taskset",
         "-c",
@@ -204,7 +220,7 @@ def start_torchserve(model_path: Path, tmp: Path) -> Peer:
     proc = Proc("torchserve", cmd, env, tmp)
     batching = f"{TORCHSERVE_BATCH_SIZE} / {TORCHSERVE_MAX_BATCH_DELAY_MS} ms"
     label = f"TorchServe {version('torchserve')}, batching {batching}"
-    return Peer(label, f"http://127.0.0.1:{ports[0]}/predictions/{MODEL}", [proc])
+    return Peer(label, f"http://127.0.0.1:{ports[0]}/predictions/{model}", [proc])
 
 
 def start_mlserver(model_path: Path, tmp: Path) -> Peer:
@@ -239,7 +255,7 @@ def start_mlserver(model_path: Path, tmp: Path) -> Peer:
     return Peer(label, f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", [proc])
 
 
-PEERS: dict[str, Callable[[Path, Path], Peer]] = {
+PEERS: dict[str, Callable[..., Peer]] = {
     "kserve": start_kserve,
     "torchserve": start_torchserve,
     "mlserver": start_mlserver,
@@ -247,9 +263,12 @@ PEERS: dict[str, Callable[[Path, Path], Peer]] = {
 VENV_OF = {"kserve": ".peers-venv", "torchserve": ".peers-venv", "mlserver": ".mlserver-venv"}
 
 
-def start_peer(name: str, model_path: Path, tmp: Path, body: str, timeout: float = 180) -> Peer:
-    """Start one peer and return once it answers an inference request with a 200."""
-    peer = PEERS[name](model_path, tmp)
+def start_peer(
+    name: str, model_path: Path, tmp: Path, body: str, timeout: float = 180, **options: Any
+) -> Peer:
+    """Start one peer and return once it answers an inference request with a 200;
+    ``options`` go to its start function (``model``, ``tokenizer``)."""
+    peer = PEERS[name](model_path, tmp, **options)
     try:
         wait_until(partial(_answers, peer.url, body), timeout, peer.procs[0], interval=0.5)
     except BaseException:

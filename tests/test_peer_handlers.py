@@ -230,3 +230,51 @@ def test_the_torchserve_handler_serves_a_batch_as_onnx_runtime_with_a_400_for_a_
     second = np.array([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.0, 1.0, 2.0]], np.float32)
     np.testing.assert_allclose(output(answers[0]), expected(session, first), rtol=1e-6)
     np.testing.assert_allclose(output(answers[2]), expected(session, second), rtol=1e-6)
+
+
+def _summing_embedder(tmp_path: Path) -> peer_oip.TextEmbedder:
+    """A tokenizer of four words and a graph whose "embedding" of a text is the sum of its
+    token ids under the attention mask: padding to a batch's longest must not change it."""
+    import onnx
+    from onnx import TensorProto, helper
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4, "d": 5}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n", "l"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["n", "l"])
+    out = helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["n", 1])
+    nodes = [
+        helper.make_node("Mul", ["input_ids", "attention_mask"], ["kept"]),
+        helper.make_node("Cast", ["kept"], ["kept_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["kept_f", "axis"], ["sentence_embedding"], keepdims=1),
+    ]
+    axis = helper.make_tensor("axis", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(nodes, "sum", [ids, mask], [out], initializer=[axis])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    return peer_oip.TextEmbedder(str(tmp_path / "model.onnx"), str(tmp_path / "tokenizer.json"))
+
+
+def text_request(texts: list[str]) -> dict:
+    return {"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}]}
+
+
+def test_an_embedding_batch_answers_each_request_its_own_rows_and_a_bad_one_a_400(
+    tmp_path: Path,
+) -> None:
+    embedder = _summing_embedder(tmp_path)
+    bodies = [text_request(["a b"]), {"inputs": [{"name": "x"}]}, text_request(["c", "d d a"])]
+    answers = peer_oip.embed_batch(embedder, "m", [json.dumps(b) for b in bodies])
+    assert [status for status, _ in answers] == [200, 400, 200]
+    assert "'text'" in answers[1][1]["error"]
+    assert answers[0][1]["outputs"][0]["data"] == [5.0]  # a + b = 2 + 3
+    assert answers[2][1]["outputs"][0] == {
+        "name": "sentence_embedding",
+        "shape": [2, 1],
+        "datatype": "FP32",
+        "data": [4.0, 12.0],  # c; d + d + a, its padding masked out
+    }

@@ -20,7 +20,7 @@ from kserve.errors import InvalidInput
 from kserve.model_server import parser as kserve_parser
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
-from peer_oip import DATATYPES, onnx_session
+from peer_oip import DATATYPES, TextEmbedder, onnx_session
 
 
 class OnnxModel(kserve.Model):
@@ -60,11 +60,42 @@ class OnnxModel(kserve.Model):
         )
 
 
+class EmbeddingModel(kserve.Model):
+    """A sentence-embedding graph behind its tokenizer (``peer_oip.TextEmbedder``): OIP v2
+    requests whose one BYTES input ``text`` holds the strings, one vector per string back."""
+
+    def __init__(self, name: str, path: str, tokenizer: str) -> None:
+        super().__init__(name)
+        self.embedder = TextEmbedder(path, tokenizer)
+        self.ready = True
+
+    def predict(
+        self,
+        payload: InferRequest,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> InferResponse:
+        texts = [t.decode() if isinstance(t, bytes) else str(t) for t in payload.inputs[0].data]
+        vectors = self.embedder.embed(texts)
+        out = InferOutput(self.embedder.output, list(vectors.shape), DATATYPES[vectors.dtype])
+        out.set_data_from_numpy(vectors, binary_data=False)
+        return InferResponse(
+            response_id=payload.id or str(uuid.uuid4()),
+            model_name=self.name,
+            infer_outputs=[out],
+        )
+
+
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(parents=[kserve_parser])
     parser.add_argument("--model_path", required=True)
+    parser.add_argument("--tokenizer", help="serve a sentence-embedding graph behind this file")
     args, _ = parser.parse_known_args(argv)
-    model = OnnxModel(args.model_name, args.model_path)
+    model: kserve.Model
+    if args.tokenizer:
+        model = EmbeddingModel(args.model_name, args.model_path, args.tokenizer)
+    else:
+        model = OnnxModel(args.model_name, args.model_path)
     server = kserve.ModelServer(
         http_port=args.http_port,
         workers=1,

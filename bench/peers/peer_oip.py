@@ -142,3 +142,71 @@ def infer_batch(
             for i, arrays in zip(good, parts, strict=True):
                 answers[i] = (200, encode_response(model_name, names, arrays))
     return [a for a in answers if a is not None]
+
+
+class TextEmbedder:
+    """A sentence-embedding ONNX graph behind its tokenizer (the demo's MiniLM export, whose
+    graph pools and normalizes): texts in, one vector per text out, padded to the batch's
+    longest as Switchyard's agent pads. ``tokenizers`` is imported here only, so the MLP peers
+    need nothing more than ONNX Runtime."""
+
+    INPUT = "text"
+
+    def __init__(self, model_path: str, tokenizer_path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.session = onnx_session(model_path)
+        self.output = self.session.get_outputs()[0].name
+        self.graph_inputs = [i.name for i in self.session.get_inputs()]
+        self.tokenizer = Tokenizer.from_file(tokenizer_path)
+        self.tokenizer.enable_padding()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        encoded = self.tokenizer.encode_batch(texts)
+        columns = {
+            "input_ids": [e.ids for e in encoded],
+            "attention_mask": [e.attention_mask for e in encoded],
+            "token_type_ids": [e.type_ids for e in encoded],
+        }
+        feed = {name: np.array(columns[name], np.int64) for name in self.graph_inputs}
+        return self.session.run([self.output], feed)[0]
+
+
+def texts_of(body: bytes | bytearray | str | dict[str, Any]) -> list[str]:
+    """The strings of an OIP v2 request's one BYTES input ``text`` (JSON data)."""
+    if isinstance(body, (bytes, bytearray, str)):
+        try:
+            body = json.loads(body)
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from exc
+    inputs = body.get("inputs") if isinstance(body, dict) else None
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise BadRequest("body must be an object with one input, 'text'")
+    item = inputs[0]
+    data = item.get("data")
+    if item.get("name") != TextEmbedder.INPUT or item.get("datatype") != "BYTES":
+        raise BadRequest("the input must be 'text', datatype BYTES")
+    if not isinstance(data, list) or not data or not all(isinstance(t, str) for t in data):
+        raise BadRequest("'text' data must be a non-empty list of strings")
+    return data
+
+
+def embed_batch(
+    embedder: TextEmbedder, model_name: str, bodies: Sequence[Any]
+) -> list[tuple[int, dict[str, Any]]]:
+    """``infer_batch`` for a ``TextEmbedder``: every good request's texts in one call."""
+    answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(bodies)
+    good: list[tuple[int, list[str]]] = []
+    for i, body in enumerate(bodies):
+        try:
+            good.append((i, texts_of(body)))
+        except BadRequest as exc:
+            answers[i] = (400, {"error": str(exc)})
+    if good:
+        vectors = embedder.embed([t for _, texts in good for t in texts])
+        start = 0
+        for i, texts in good:
+            part = vectors[start : start + len(texts)]
+            start += len(texts)
+            answers[i] = (200, encode_response(model_name, [embedder.output], [part]))
+    return [a for a in answers if a is not None]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from peer_oip import infer_batch, onnx_session
+from peer_oip import TextEmbedder, embed_batch, infer_batch, onnx_session
 from ts.context import Context
 from ts.torch_handler.base_handler import BaseHandler
 
@@ -21,10 +21,17 @@ from ts.torch_handler.base_handler import BaseHandler
 class OnnxOipHandler(BaseHandler):
     """TorchServe finds the handler as the one class this module defines."""
 
+    embedder: TextEmbedder | None = None
+
     def initialize(self, context: Context) -> None:
         model = context.manifest["model"]
-        path = os.path.join(context.system_properties["model_dir"], model["serializedFile"])
-        self.session = onnx_session(path)  # one intra-op thread, as Switchyard's agent
+        model_dir = context.system_properties["model_dir"]
+        path = os.path.join(model_dir, model["serializedFile"])
+        tokenizer = os.path.join(model_dir, "tokenizer.json")
+        if os.path.exists(tokenizer):  # a sentence-embedding graph, packed with its tokenizer
+            self.embedder = TextEmbedder(path, tokenizer)
+        else:
+            self.session = onnx_session(path)  # one intra-op thread, as Switchyard's agent
         self.model_name = model["modelName"]
         self.initialized = True
 
@@ -33,6 +40,8 @@ class OnnxOipHandler(BaseHandler):
         return [row.get("body", row.get("data")) for row in data]
 
     def inference(self, data: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if self.embedder is not None:
+            return embed_batch(self.embedder, self.model_name, data)
         return infer_batch(self.session, self.model_name, data)
 
     def postprocess(self, data: list[Any]) -> list[Any]:
