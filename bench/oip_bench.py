@@ -410,7 +410,7 @@ class Bench:
             wait_until(partial(_ok, front_ready, headers), 60, servers[-1])
         # The agent also loads the demo's other versions (the text models, MiniLM); loading
         # them in a measured run put torch's imports in the agent's CPU per request.
-        wait_until(partial(_agent_settled, backend), 300, agent)
+        wait_until(partial(_agent_settled, backend, agent.popen.pid), 300, agent)
         pids = [*(p.popen.pid for p in servers), agent.popen.pid, self.redis.pid]
         if kind == "grpc":
             load = grpc_streams(grpc_address, self.key)
@@ -430,13 +430,18 @@ class Bench:
         return rows
 
 
-def _agent_settled(backend: Any) -> bool:
-    """Whether the live agent sessions have no version loading any more."""
+def _agent_settled(backend: Any, pid: int) -> bool:
+    """Whether the live agent sessions have no version loading any more and the agent has
+    rested for a second (under 5 % of a CPU): a load that has not reported yet shows there."""
     rows = backend.query(
         "SELECT version_states FROM gateway_agentsession WHERE disconnected_at IS NULL"
     )
     states = [s for (row,) in rows for s in (row or {}).values()]
-    return bool(states) and all(s.get("state") != "loading" for s in states)
+    if not states or any(s.get("state") == "loading" for s in states):
+        return False
+    before = cpu_seconds(pid)
+    time.sleep(1.0)
+    return cpu_seconds(pid) - before < 0.05
 
 
 def _in_round(rows: list[dict], round_: int) -> list[dict]:

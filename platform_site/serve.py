@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import signal
 import socket
+import sys
 from types import FrameType
 
 from uvicorn.config import Config
@@ -46,7 +47,15 @@ class ClosingMultiprocess(Multiprocess):
         super().keep_subprocess_alive()
 
 
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The
+# event loop shares the interpreter with the prediction log's writer, the metrics fold and the
+# database calls of the refresh loop. Paired rounds at 64 connections (bench/README.md, "The
+# gateway's own cost"): 1.07x and 1.08x less server CPU per request with 1 ms; p99 unchanged.
+SWITCH_INTERVAL_S = 0.001
+
+
 def main() -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # The module, not the package's ``uvicorn.main`` (a name the package rebinds to the function).
     command = importlib.import_module("uvicorn.main")
     command.Multiprocess = ClosingMultiprocess  # type: ignore[attr-defined]

@@ -123,7 +123,7 @@ class Connection:
         self._heartbeat = heartbeat
         self._heartbeats: asyncio.Task[None] | None = None
         self._outbox: list[bytes] = []
-        self._flusher: asyncio.Task[None] | None = None  # held: a task nobody holds may vanish
+        self._flushers: set[asyncio.Task[None]] = set()  # held: a task nobody holds may vanish
         self._stream_sender: tuple[Socket | None, SendFrames] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -278,7 +278,9 @@ class Connection:
         first frames of a turn start the one task that sends the turn's frames."""
         self._outbox.extend(frames)
         if len(self._outbox) == len(frames):
-            self._flusher = asyncio.get_running_loop().create_task(self.send_frames([]))
+            flusher = asyncio.get_running_loop().create_task(self.send_frames([]))
+            self._flushers.add(flusher)
+            flusher.add_done_callback(self._flushers.discard)
 
     def stream_sender(self) -> SendFrames:
         """Sends a stream's frames on the open websocket, and never on a later one. One object
