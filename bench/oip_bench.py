@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -116,6 +117,8 @@ def measure(
         used_each = [cpu_seconds(p) - b for p, b in zip(pids, before_each, strict=True)]
         used = sum(used_each)
         seconds = result["duration_us"] / 1e6
+        if not result["requests"]:
+            _stacks_of_a_silent_server(label, connections, pids)
         if profile is not None:
             print(_stage_table(label, connections, result["requests"], pids, used_each, profile))
         rows.append(
@@ -428,6 +431,19 @@ class Bench:
         for proc in servers:
             proc.stop()
         return rows
+
+
+def _stacks_of_a_silent_server(label: str, connections: int, pids: list[int]) -> None:
+    """A run answered nothing (seen three times in ~46 runs on 2026-12-07, the servers idle):
+    print where each server process's threads wait, read by py-spy when it is installed."""
+    print(f"{label}, {connections} connections: no request was answered", file=sys.stderr)
+    spy = shutil.which("py-spy") or str(Path(PY).parent / "py-spy")
+    if not Path(spy).exists():
+        print("  (install py-spy to see where the processes wait)", file=sys.stderr)
+        return
+    for pid in pids:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
+        print(f"  pid {pid}:\n{dump.stdout or dump.stderr}", file=sys.stderr)
 
 
 def _agent_settled(backend: Any, pid: int) -> bool:
