@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 
@@ -59,7 +58,7 @@ class SchedCounts:
 
 
 @dataclass(slots=True, eq=False)
-class Pending:
+class _Pending:
     inputs: dict[str, np.ndarray]
     rows: int
     key: _Key
@@ -82,15 +81,15 @@ def request_rows(inputs: dict[str, np.ndarray]) -> int:
     return rows.pop()
 
 
-def compatible_groups(batch: list[Pending]) -> list[list[Pending]]:
+def compatible_groups(batch: list[_Pending]) -> list[list[_Pending]]:
     """Split a batch into runs of concatenable requests, keeping arrival order within each."""
-    groups: dict[_Key, list[Pending]] = {}
+    groups: dict[_Key, list[_Pending]] = {}
     for p in batch:
         groups.setdefault(p.key, []).append(p)
     return list(groups.values())
 
 
-def concatenate(group: list[Pending]) -> dict[str, np.ndarray]:
+def concatenate(group: list[_Pending]) -> dict[str, np.ndarray]:
     if len(group) == 1:
         return group[0].inputs  # the common light-load case: no copy
     return {name: np.concatenate([p.inputs[name] for p in group]) for name in group[0].inputs}
@@ -145,13 +144,13 @@ class Batcher:
         self.batch_sizes = batch_sizes if batch_sizes is not None else BatchSizes()
         self.counts = counts if counts is not None else SchedCounts()
         # Per class, caller -> its queued requests; a dict's order is the round-robin turn.
-        self._queues: list[dict[Hashable, deque[Pending]]] = [{} for _ in PRIORITY_CLASSES]
+        self._queues: list[dict[Hashable, deque[_Pending]]] = [{} for _ in PRIORITY_CLASSES]
         self._class_depth = [0] * len(PRIORITY_CLASSES)
         self._depth = 0
         self._caller_load: dict[Hashable, int] = {}  # requests queued or running, per caller
-        self._by_id: dict[int, Pending] = {}  # queued requests that a cancel frame may name
+        self._by_id: dict[int, _Pending] = {}  # queued requests that a cancel frame may name
         self._wakeup = asyncio.Event()
-        self._running: list[Pending] = []
+        self._running: list[_Pending] = []
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         # One thread per version: its batches run one at a time, other versions in parallel.
@@ -188,31 +187,12 @@ class Batcher:
 
         ``deadline`` is a ``time.monotonic()`` time; ``request_id`` lets ``cancel`` find it.
         """
-        pending = self.submit(
-            inputs, caller=caller, priority=priority, deadline=deadline, request_id=request_id
-        )
-        outputs = await pending.future  # a cancelled wait cancels the future: it leaves the queue
-        return outputs, pending.queue_s, pending.compute_s
-
-    def submit(
-        self,
-        inputs: dict[str, np.ndarray],
-        *,
-        caller: Hashable = 0,
-        priority: int = INTERACTIVE,
-        deadline: float = math.inf,
-        request_id: int | None = None,
-    ) -> Pending:
-        """Queue one request, or raise why it is refused; its ``future`` gets its outputs (its
-        rows of the batch it ran in), then its ``queue_s`` and ``compute_s`` are set. A caller
-        that stops waiting cancels the future, which takes it out of the queue. No task is
-        needed to wait: the agent's serving answers from the future's callback."""
         if self._stopped:
             raise NotLoaded("version unloaded")
         rows = request_rows(inputs)
         key = tuple(sorted((n, a.shape[1:], a.dtype.str) for n, a in inputs.items()))
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        pending = Pending(
+        pending = _Pending(
             inputs, rows, key, future, time.perf_counter(), caller=caller, priority=priority
         )
         pending.deadline = deadline
@@ -222,24 +202,20 @@ class Batcher:
             self._by_id[request_id] = pending
         self._enqueue(pending)
         self._caller_load[caller] = self._caller_load.get(caller, 0) + 1
-        # Registered first, so it runs before whoever waits for the result.
-        future.add_done_callback(partial(self._settled, pending))
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        return pending
-
-    def _settled(self, pending: Pending, _future: asyncio.Future[list[np.ndarray]]) -> None:
-        """A request's future is done: its caller holds one request less; one that is still
-        queued (its caller gave up, cancelling the future) leaves the queue."""
-        caller = pending.caller
-        load = self._caller_load[caller] - 1
-        if load:
-            self._caller_load[caller] = load
-        else:
-            del self._caller_load[caller]
-        if pending.in_queue:
-            self._unlink(pending)
+        try:
+            outputs = await future
+        finally:
+            load = self._caller_load[caller] - 1
+            if load:
+                self._caller_load[caller] = load
+            else:
+                del self._caller_load[caller]
+            if pending.in_queue:  # its caller was cancelled while it waited
+                self._unlink(pending)
+        return outputs, pending.queue_s, pending.compute_s
 
     def cancel(self, request_id: int) -> bool:
         """Remove a queued request whose caller gave up; it is answered ``Cancelled`` and never
@@ -252,7 +228,7 @@ class Batcher:
         pending.future.set_exception(Cancelled("the caller gave up before it ran"))
         return True
 
-    def _admit(self, p: Pending) -> None:
+    def _admit(self, p: _Pending) -> None:
         """Make room for ``p`` or raise why it is refused (expired, capped, or queue full)."""
         if p.deadline <= time.monotonic():
             self.counts.expired += 1
@@ -276,7 +252,7 @@ class Batcher:
         self._unlink(victim)
         victim.future.set_exception(error)
 
-    def _victim(self, p: Pending) -> tuple[Pending | None, Overloaded]:
+    def _victim(self, p: _Pending) -> tuple[_Pending | None, Overloaded]:
         """What a full queue gives up for ``p``: the newest request of the worst class below
         ``p``'s, else the newest of the caller holding most of ``p``'s class when that is more
         than ``p``'s caller holds; None (and ``p`` is refused) when ``p`` is the least worthy."""
@@ -302,7 +278,7 @@ class Batcher:
             )
         return None, Overloaded(f"queue full ({self.max_queue} requests waiting)")
 
-    def _enqueue(self, p: Pending) -> None:
+    def _enqueue(self, p: _Pending) -> None:
         queues = self._queues[p.priority]
         queue = queues.get(p.caller)
         if queue is None:
@@ -312,7 +288,7 @@ class Batcher:
         self._class_depth[p.priority] += 1
         self._depth += 1
 
-    def _unlink(self, p: Pending) -> None:
+    def _unlink(self, p: _Pending) -> None:
         """Take a queued request out of its queue (nothing when it is not queued)."""
         if not p.in_queue:
             return
@@ -323,14 +299,14 @@ class Batcher:
             del queues[p.caller]
         self._forget(p)
 
-    def _forget(self, p: Pending) -> None:
+    def _forget(self, p: _Pending) -> None:
         p.in_queue = False
         self._class_depth[p.priority] -= 1
         self._depth -= 1
         if p.request_id is not None:
             self._by_id.pop(p.request_id, None)
 
-    def _head(self) -> Pending | None:
+    def _head(self) -> _Pending | None:
         """The request whose turn is next: best class first, callers in turn inside it."""
         if not self._depth:
             return None
@@ -339,7 +315,7 @@ class Batcher:
                 return queue[0]
         return None
 
-    def _pop(self, p: Pending) -> None:
+    def _pop(self, p: _Pending) -> None:
         """Take the head ``p`` and move its caller to the back of its class's turn."""
         queues = self._queues[p.priority]
         queue = queues.pop(p.caller)
@@ -381,9 +357,9 @@ class Batcher:
             # An inline run never yields; let replies go out and new requests queue up.
             await asyncio.sleep(0)
 
-    async def next_batch(self) -> list[Pending]:
+    async def next_batch(self) -> list[_Pending]:
         """Wait for the first request, take what is queued, then wait up to the delay for more."""
-        batch: list[Pending] = []
+        batch: list[_Pending] = []
         rows = 0
         while not batch:
             while not self._depth:
@@ -406,7 +382,7 @@ class Batcher:
             rows = self._take(batch, rows)
         return batch
 
-    def _take(self, batch: list[Pending], rows: int) -> int:
+    def _take(self, batch: list[_Pending], rows: int) -> int:
         """Move queued requests into ``batch`` in turn while they fit; returns the batch's
         rows. A request past its deadline is answered ``Expired`` here instead."""
         now = time.monotonic()
@@ -426,7 +402,7 @@ class Batcher:
             rows += p.rows
         return rows
 
-    async def run_batch(self, group: list[Pending]) -> None:
+    async def run_batch(self, group: list[_Pending]) -> None:
         """Run one concatenated batch and split its outputs back; a failure fails every future."""
         rows = sum(p.rows for p in group)
         self._running = group

@@ -123,7 +123,6 @@ class Connection:
         self._heartbeat = heartbeat
         self._heartbeats: asyncio.Task[None] | None = None
         self._outbox: list[bytes] = []
-        self._flushers: set[asyncio.Task[None]] = set()  # held: a task nobody holds may vanish
         self._stream_sender: tuple[Socket | None, SendFrames] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -263,7 +262,7 @@ class Connection:
         if socket is not None and socket is not self.socket:
             return
         self._outbox.extend(frames)
-        if frames and len(self._outbox) > len(frames):
+        if len(self._outbox) > len(frames):
             return  # an earlier reply of this turn is the flusher
         try:
             await asyncio.sleep(0)  # let the rest of this turn's replies join
@@ -272,15 +271,6 @@ class Connection:
             frames, self._outbox = self._outbox, []
         if frames:
             await self.send(pack_frames(frames))
-
-    def queue_frames(self, frames: list[bytes]) -> None:
-        """``send_frames`` for a caller that does not wait (a finished batch's replies): the
-        first frames of a turn start the one task that sends the turn's frames."""
-        self._outbox.extend(frames)
-        if len(self._outbox) == len(frames):
-            flusher = asyncio.get_running_loop().create_task(self.send_frames([]))
-            self._flushers.add(flusher)
-            flusher.add_done_callback(self._flushers.discard)
 
     def stream_sender(self) -> SendFrames:
         """Sends a stream's frames on the open websocket, and never on a later one. One object

@@ -6,18 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ._batcher import Pending
 from ._exceptions import AgentError, BadInput, NotLoaded
 from ._signature import check_inputs
-from ._versions import Loaded, LoadedTextGen, VersionUsage
+from ._versions import Loaded, LoadedTextGen
 from .protocol import (
     MAX_BUDGET_MS,
     CancelGenerate,
@@ -45,9 +45,6 @@ class FrameSender(Protocol):
 
     async def send_frames(self, frames: list[bytes]) -> None:
         """Send reply frames on the open connection (dropped while there is none)."""
-
-    def queue_frames(self, frames: list[bytes]) -> None:
-        """``send_frames`` without waiting: the frames go out with this turn's others."""
 
     def stream_sender(self) -> SendFrames:
         """Sends a generation stream's frames on the open connection, never on a later one."""
@@ -119,10 +116,7 @@ class Serving:
         self.sender = sender
         # One per connection (the main one and each data link), counting into the same stats.
         self.stats = stats or Stats()
-        # The infer requests queued or running at their batchers: a request has no task of its
-        # own (a task per request was ~a fifth of the agent's CPU per request at 64
-        # connections, bench/README.md "The gateway's own cost"); its future's callback answers.
-        self._waiting: set[asyncio.Future[Any]] = set()
+        self._requests: set[asyncio.Task[None]] = set()
         self._stream_senders: set[SendFrames] = set()  # what this connection's streams use
 
     def handle_frame(self, frame: bytes) -> None:
@@ -135,10 +129,10 @@ class Serving:
             if request_id is None:
                 logger.warning("ignoring undecodable frame: %s", exc)
                 return
-            self.answer(error_reply(request_id, BadInput(str(exc))), received, ok=False)
+            self._track(self.reply(error_reply(request_id, BadInput(str(exc))), received, False))
             return
         if isinstance(header, InferRequest):
-            self.start_request(header, arrays, received)
+            self._track(self.serve_request(header, arrays, received))
         elif isinstance(header, GenerateRequest):
             self.start_generation(header, received)
         elif isinstance(header, CancelGenerate):
@@ -169,101 +163,81 @@ class Serving:
             loaded.usage.requests_total += 1  # the engine's streams count what is in flight
             loaded.usage.last_used = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-            self.sender.queue_frames([error_reply(request.id, exc)])
+            self._track(self.sender.send_frames([error_reply(request.id, exc)]))
 
-    def start_request(
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._requests.add(task)  # cancelled when the connection drops
+        task.add_done_callback(self._requests.discard)
+
+    async def serve_request(
         self, request: InferRequest, arrays: list[np.ndarray], received: float
     ) -> None:
-        """Queue one request at its version's batcher; its result or error frame is sent
-        from its future's callback (``_finish``), or now when it is refused."""
+        """Run one request and reply with its result or error frame."""
         # The budget becomes a deadline on this host's clock, counted from the frame's arrival.
         budget_ms = MAX_BUDGET_MS if request.budget_ms is None else request.budget_ms
         deadline = time.monotonic() + min(budget_ms, MAX_BUDGET_MS) / 1000
         loaded = self.loaded.get(request.version_id)
-        try:
-            if loaded is None:
-                raise NotLoaded(f"version {request.version_id} is not ready on this agent")
-            if isinstance(loaded, LoadedTextGen):
-                raise BadInput(f"version {request.version_id} generates text: send generate frames")
-            inputs = {t.name: a for t, a in zip(request.inputs, arrays, strict=True)}
-            if len(inputs) != len(request.inputs):
-                raise BadInput("duplicate input names")
-            model_outputs = loaded.runtime.output_names
-            wanted = model_outputs if request.outputs is None else request.outputs
-            unknown = sorted(set(wanted) - set(model_outputs))
-            if unknown:
-                raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
-            check_inputs(loaded.spec.inputs, inputs)
-            pending = loaded.batcher.submit(
-                inputs,
-                caller=(request.tenant, request.key),
-                priority=request.priority,
-                deadline=deadline,
-                request_id=request.id,
-            )
-        except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-            self._failed(request, exc, received)
-            return
-        # What the answer needs, not the version itself: an eviction must not find the
-        # version still referenced by a request in flight.
-        usage = loaded.usage
-        usage.started()
+        usage = loaded.usage if loaded is not None else None
+        del loaded  # an eviction must not find the version still referenced here
+        if usage is not None:
+            usage.started()
         self.stats.in_flight += 1
-        future = pending.future
-        self._waiting.add(future)
-        future.add_done_callback(
-            lambda f: self._finish(f, request, pending, model_outputs, wanted, usage, received)
-        )
+        try:
+            try:
+                names, outputs, queue_s, compute_s = await self.infer(request, arrays, deadline)
+                reply = result_frame(request.id, names, outputs, queue_s, compute_s)
+            except Exception as exc:  # noqa: BLE001 - every request id gets a reply
+                if request.trace:  # follow one request end to end: the platform's span
+                    logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
+                await self.reply(error_reply(request.id, exc), received, ok=False)
+            else:
+                await self.reply(reply, received, ok=True)
+        finally:
+            self.stats.in_flight -= 1
+            if usage is not None:
+                usage.finished()
 
-    def _finish(
-        self,
-        future: asyncio.Future[list[np.ndarray]],
-        request: InferRequest,
-        pending: Pending,
-        model_outputs: list[str],
-        wanted: list[str],
-        usage: VersionUsage,
-        received: float,
-    ) -> None:
-        """Answer a request whose batch ran (or that failed, or was cancelled in its queue)."""
-        self._waiting.discard(future)
-        self.stats.in_flight -= 1
-        usage.finished()
-        if future.cancelled():
-            return  # its connection dropped (``drop_connection``): nobody reads the answer
-        exc = future.exception()
-        if exc is not None:
-            self._failed(request, exc, received)
-            return
-        outputs = future.result()
-        picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
-        names, arrays = [n for n, _ in picked], [a for _, a in picked]
-        self.answer(
-            result_frame(request.id, names, arrays, pending.queue_s, pending.compute_s),
-            received,
-            ok=True,
-        )
-
-    def _failed(self, request: InferRequest, exc: BaseException, received: float) -> None:
-        if request.trace:  # follow one request end to end: the platform's span
-            logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
-        reason = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
-        self.answer(error_reply(request.id, reason), received, ok=False)
-
-    def answer(self, frame: bytes, received: float, ok: bool) -> None:
-        """Send a reply frame with this turn's others."""
-        self.sender.queue_frames([frame])
+    async def reply(self, frame: bytes, received: float, ok: bool) -> None:
+        await self.sender.send_frames([frame])
         self.stats.record(time.perf_counter() - received, ok)
+
+    async def infer(
+        self, request: InferRequest, arrays: list[np.ndarray], deadline: float = math.inf
+    ) -> tuple[list[str], list[np.ndarray], float, float]:
+        """The requested outputs (names and arrays, in the model's order) for one request, and
+        the seconds it waited for its batch and the seconds the batch's run took."""
+        loaded = self.loaded.get(request.version_id)
+        if loaded is None:
+            raise NotLoaded(f"version {request.version_id} is not ready on this agent")
+        if isinstance(loaded, LoadedTextGen):
+            raise BadInput(f"version {request.version_id} generates text: send generate frames")
+        inputs = {t.name: a for t, a in zip(request.inputs, arrays, strict=True)}
+        if len(inputs) != len(request.inputs):
+            raise BadInput("duplicate input names")
+        model_outputs = loaded.runtime.output_names
+        wanted = model_outputs if request.outputs is None else request.outputs
+        unknown = sorted(set(wanted) - set(model_outputs))
+        if unknown:
+            raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
+        check_inputs(loaded.spec.inputs, inputs)
+        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(
+            inputs,
+            caller=(request.tenant, request.key),
+            priority=request.priority,
+            deadline=deadline,
+            request_id=request.id,
+        )
+        picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
+        return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
 
     def engines(self) -> list[Engine]:
         return [v.engine for v in self.loaded.values() if isinstance(v, LoadedTextGen)]
 
     def drop_connection(self) -> None:
         """The connection dropped: stop the work whose answers would go to it."""
-        for future in list(self._waiting):
-            # Its reply has nowhere to go (the platform fails it): it leaves its batcher's
-            # queue, or its batch's answer is dropped.
-            future.cancel()
+        for task in list(self._requests):
+            task.cancel()  # their replies have nowhere to go; the platform fails them
         senders, self._stream_senders = self._stream_senders, set()
         for engine in self.engines():
             engine.cancel_all(senders)  # nobody reads those streams any more; free their rows
@@ -271,13 +245,13 @@ class Serving:
     @property
     def busy(self) -> bool:
         """Whether requests or streams it was sent are still running."""
-        return bool(self._waiting)
+        return bool(self._requests)
 
     async def shutdown(self) -> None:
         """Cancel the requests still running and wait for them to end."""
-        for future in list(self._waiting):
-            future.cancel()
-        await asyncio.sleep(0)  # the cancelled futures' callbacks run
+        for task in list(self._requests):
+            task.cancel()
+        await asyncio.gather(*self._requests, return_exceptions=True)
 
 
 def result_frame(

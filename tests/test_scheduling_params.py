@@ -207,10 +207,6 @@ class InProcessAgent:
         for frame in frames:
             self.pool.deliver(self.link, frame)
 
-    def queue_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            self.pool.deliver(self.link, frame)
-
     def stream_sender(self) -> Any:
         raise NotImplementedError
 

@@ -259,10 +259,6 @@ class Replies:
         for frame in frames:
             self.frames.put_nowait(frame)
 
-    def queue_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            self.frames.put_nowait(frame)
-
     def stream_sender(self) -> Any:
         return self.send_frames
 

@@ -40,10 +40,6 @@ class RecordingSender:
         for frame in frames:
             self.frames.put_nowait(frame)
 
-    def queue_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            self.frames.put_nowait(frame)
-
     async def stream_frames(self, frames: list[bytes]) -> None:
         await self.send_frames(frames)
 
