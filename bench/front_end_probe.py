@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -31,11 +32,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from oip_bench import BODIES, cpu_seconds, run_wrk  # noqa: E402
 from peers_bench import VENVS, ensure_venv  # noqa: E402
 
-from tests.e2e.harness import PY, free_port  # noqa: E402
+from tests.e2e.harness import PY, Proc, free_port, wait_until  # noqa: E402
 
 VENV = ".frontend-venv"
 VENVS[VENV] = [["uvicorn==0.54.0", "httptools==0.9.0", "uvloop==0.23.0", "granian==2.8.9"]]
 APPS = "front_end_apps"
+APPS_DIR = ROOT / "bench" / "peers"
 SERVERS = {
     "uvicorn (httptools, uvloop)": (
         "uvicorn {app}:asgi --port {port} --http httptools --loop uvloop "
@@ -58,9 +60,9 @@ SERVERS = {
 }
 
 
-def serve(bin_dir: Path, command: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    args = command.format(app=APPS, port=port).split()
+def serve(bin_dir: Path, command: str, tmp: Path) -> tuple[Proc, str]:
+    """Start one server of ``SERVERS`` on CPU 0; returns once it answers the OIP body."""
+    args = command.format(app=APPS, port=free_port()).split()
     env = dict(os.environ)
     if args[0] == "PLATFORM":  # the platform's own environment and settings
         program = PY
@@ -68,23 +70,22 @@ def serve(bin_dir: Path, command: str) -> tuple[subprocess.Popen, str]:
         env.setdefault("DJANGO_SETTINGS_MODULE", "platform_site.settings")
     else:
         program = str(bin_dir / args[0])
-    proc = subprocess.Popen(
-        ["taskset", "-c", "0", program, *args[1:]],
-        cwd=ROOT / "bench" / "peers",
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = Proc(args[0], ["taskset", "-c", "0", program, *args[1:]], env, tmp, cwd=APPS_DIR)
+    port = args[args.index("--port") + 1]
     url = f"http://127.0.0.1:{port}/v2/models/fraud-detector/infer"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.post(url, content=BODIES["oip"], timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{command} did not answer: {proc.stderr.read().decode()[-2000:]}")
+    try:
+        wait_until(partial(_answers, url), 30, proc, interval=0.2)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.post(url, content=BODIES["oip"], timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def main() -> None:
@@ -94,24 +95,24 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     args = parser.parse_args()
     bin_dir = ensure_venv(VENV)
+    tmp = Path(tempfile.mkdtemp(prefix="front-end-probe-"))
     rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for _ in range(args.rounds):
         for name, command in SERVERS.items():
-            proc, url = serve(bin_dir, command)
+            proc, url = serve(bin_dir, command, tmp)
             try:
                 for connections in (int(c) for c in args.connections.split(",")):
                     run_wrk(url, connections, 2, "", BODIES["oip"])  # warm-up
-                    before = cpu_seconds(proc.pid)
+                    before = cpu_seconds(proc.popen.pid)
                     result = run_wrk(url, connections, args.seconds, "", BODIES["oip"])
-                    used = cpu_seconds(proc.pid) - before
+                    used = cpu_seconds(proc.popen.pid) - before
                     served = max(result["requests"] - result["errors"], 1)
                     rate = served / (result["duration_us"] / 1e6)
                     rows.setdefault((name, connections), []).append(
                         (rate, result["p99_us"] / 1000, used / served * 1e6)
                     )
             finally:
-                proc.terminate()
-                proc.wait(10)
+                proc.stop()
     print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.rounds} rounds:\n")
     print("| server | connections | req/s | p99 ms | server CPU µs/req | CPU / uvicorn's |")
     print("| --- | --- | --- | --- | --- | --- |")

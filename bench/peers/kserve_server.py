@@ -48,16 +48,7 @@ class OnnxModel(kserve.Model):
             arrays = self.session.run(self.output_names, feed)
         except (InvalidArgument, Fail, ValueError) as exc:  # names, shapes or dtypes: a 400
             raise InvalidInput(str(exc)) from exc
-        outputs = []
-        for name, array in zip(self.output_names, arrays, strict=True):
-            out = InferOutput(name, list(array.shape), DATATYPES[array.dtype])
-            out.set_data_from_numpy(array, binary_data=False)
-            outputs.append(out)
-        return InferResponse(
-            response_id=payload.id or str(uuid.uuid4()),
-            model_name=self.name,
-            infer_outputs=outputs,
-        )
+        return _response(self.name, payload, self.output_names, arrays)
 
 
 class EmbeddingModel(kserve.Model):
@@ -77,13 +68,23 @@ class EmbeddingModel(kserve.Model):
     ) -> InferResponse:
         texts = [t.decode() if isinstance(t, bytes) else str(t) for t in payload.inputs[0].data]
         vectors = self.embedder.embed(texts)
-        out = InferOutput(self.embedder.output, list(vectors.shape), DATATYPES[vectors.dtype])
-        out.set_data_from_numpy(vectors, binary_data=False)
-        return InferResponse(
-            response_id=payload.id or str(uuid.uuid4()),
-            model_name=self.name,
-            infer_outputs=[out],
-        )
+        return _response(self.name, payload, [self.embedder.output], [vectors])
+
+
+def _response(
+    model_name: str, payload: InferRequest, names: list[str], arrays: list[Any]
+) -> InferResponse:
+    """The OIP v2 answer to ``payload``: one JSON output per name."""
+    outputs = []
+    for name, array in zip(names, arrays, strict=True):
+        out = InferOutput(name, list(array.shape), DATATYPES[array.dtype])
+        out.set_data_from_numpy(array, binary_data=False)
+        outputs.append(out)
+    return InferResponse(
+        response_id=payload.id or str(uuid.uuid4()),
+        model_name=model_name,
+        infer_outputs=outputs,
+    )
 
 
 def main(argv: Any = None) -> None:
