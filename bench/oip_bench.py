@@ -306,8 +306,12 @@ def main() -> None:
     rows: list[dict] = []
     try:
         for round_ in range(args.rounds):
+            # Trees take turns going first: a fixed order put the working tree, every round,
+            # right after the previous round's peers (its ratios leaned the same way at one
+            # connection, where a change had nothing to act on).
+            in_turn = trees if round_ % 2 == 0 else trees[::-1]
             for case in (c for c in args.cases.split(",") if c):
-                for suffix, tree in trees:
+                for suffix, tree in in_turn:
                     rows += bench.switchyard(case, tree, suffix, round_)
             for name in peers:  # the same ONNX file, body, pinning and measure()
                 peer = start_peer(name, Path(artifact), tmp, BODIES["oip"])

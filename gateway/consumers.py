@@ -200,6 +200,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.link = AgentLink(self.channel_name, self._send_message)
             self.state.pool.add(self.link)
             self.state.agent_consumers.add(self)
+        self.link.groups = hello.groups
         self.state.pool.set_spot(self.link, await db_call(nodes.session_spot)(session.pk))
         log.info(
             "agent %s connected from %s (%s)", self.node, hello.host, ", ".join(hello.providers)
@@ -223,6 +224,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # A new session of the same agent, nothing reported ready yet: keep serving.
             carry(self.link, time.monotonic())
         self.link.session = attach.session
+        self.link.groups = attach.groups
         self.state.pool.set_spot(self.link, await db_call(nodes.session_spot)(attach.session))
         if ready or not self.link.carried:
             self.link.carried, self.link.carried_until = set(), 0.0

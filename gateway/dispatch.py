@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,11 +30,13 @@ from serving_agent.protocol import (
     INTERACTIVE,
     CancelGenerate,
     FrameError,
+    FrameTensor,
     GenerateDone,
     GenerateRequest,
     InferError,
     InferRequest,
     InferResult,
+    Member,
     TokenBatch,
     TokenChunk,
     decode_frame,
@@ -197,6 +199,34 @@ class StreamInbox:
             log.info("could not cancel stream %d: %r", self.id, exc)
 
 
+@dataclass(eq=False, slots=True)
+class Staged:
+    """A request queued for its turn's message: on a link whose agent takes groups, it may
+    travel in one frame with other requests of the same caller for the same version."""
+
+    request: InferRequest
+    arrays: list[np.ndarray]
+    max_rows: int  # the version's batch size: a group holds no more rows
+
+    def group_key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share a frame: same version, caller, class, asked
+        outputs, and inputs that concatenate (names, datatypes, non-batch dims)."""
+        r = self.request
+        inputs = tuple((t.name, t.datatype, *t.shape[1:]) for t in r.inputs)
+        outputs = None if r.outputs is None else tuple(r.outputs)
+        return (r.version_id, r.tenant, r.key, r.priority, outputs, inputs)
+
+
+@dataclass(eq=False)
+class Group:
+    """A grouped frame in flight: its members (each also in ``AgentLink.pending`` under its
+    own id) and how many still wait for it."""
+
+    id: int
+    members: list[Member]
+    waiting: int
+
+
 @dataclass(eq=False)
 class AgentLink:
     """One agent websocket held by this process: its main connection, or a data link (then
@@ -222,22 +252,123 @@ class AgentLink:
     detached: bool = False
     pending: dict[int, asyncio.Future[AgentReply]] = field(default_factory=dict)
     streams: dict[int, StreamInbox] = field(default_factory=dict)
-    outbox: list[bytes] = field(default_factory=list)
+    outbox: list[bytes | Staged] = field(default_factory=list)
+    # The agent takes grouped infer frames (``Hello.groups``): a turn's requests of one caller
+    # for one version travel as one frame, decoded, queued, run and answered once by the
+    # agent. ``ids`` (the pool's) names the groups; ``groups`` holds those in flight, and
+    # ``member_of`` each waiting member's group.
+    groups: bool = False
+    ids: Iterator[int] | None = None
+    in_flight: dict[int, Group] = field(default_factory=dict)
+    member_of: dict[int, Group] = field(default_factory=dict)
     # Opened by requests that could not be sent, or that this agent never answered.
     breaker: Breaker = field(default_factory=Breaker)
     # Set by AgentPool.remove: how requests still on the link were failed (see ``ended_as``).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     ended_with: DispatchError | None = None
 
-    async def send_frame(self, frame: bytes) -> None:
-        """Queue a frame; the first sender of an event-loop turn sends the turn's frames as one
-        websocket message (see ``serving_agent.protocol.pack_frames``)."""
+    async def send_frame(self, frame: bytes | Staged) -> None:
+        """Queue a frame (or a request to group); the first sender of an event-loop turn
+        sends the turn's frames as one websocket message (see
+        ``serving_agent.protocol.pack_frames``)."""
         self.outbox.append(frame)
         if len(self.outbox) > 1:
             return  # an earlier request of this turn is already the flusher
         await asyncio.sleep(0)  # let the rest of this turn's requests queue their frames
-        frames, self.outbox = self.outbox, []
-        await self.send_message(pack_frames(frames))
+        items, self.outbox = self.outbox, []
+        await self.send_message(pack_frames(self._frames_of(items)))
+
+    def _frames_of(self, items: list[bytes | Staged]) -> list[bytes]:
+        """A turn's frames: staged requests grouped by ``Staged.group_key`` (in order, up to
+        the version's batch size each), every other frame as it came."""
+        slots: list[bytes | list[Staged]] = []
+        open_groups: dict[tuple[Any, ...], tuple[list[Staged], list[int]]] = {}
+        for item in items:
+            if isinstance(item, bytes):
+                slots.append(item)
+                continue
+            key = item.group_key()
+            rows = item.arrays[0].shape[0] if item.arrays and item.arrays[0].ndim else 1
+            found = open_groups.get(key)
+            if found is not None and found[1][0] + rows <= item.max_rows:
+                found[0].append(item)
+                found[1][0] += rows
+                continue
+            members = [item]
+            open_groups[key] = (members, [rows])
+            slots.append(members)
+        return [slot if isinstance(slot, bytes) else self._encode(slot) for slot in slots]
+
+    def _encode(self, staged: list[Staged]) -> bytes:
+        """One request's frame, or one frame for a group (its inputs concatenated)."""
+        if len(staged) == 1:
+            return encode_frame(staged[0].request, staged[0].arrays)
+        assert self.ids is not None  # set by AgentPool.add
+        first = staged[0].request
+        members = [Member(s.request.id, s.arrays[0].shape[0], s.request.trace) for s in staged]
+        arrays = [np.concatenate([s.arrays[i] for s in staged]) for i in range(len(first.inputs))]
+        group = InferRequest(
+            id=next(self.ids),
+            version_id=first.version_id,
+            inputs=[
+                FrameTensor(t.name, t.datatype, list(a.shape))
+                for t, a in zip(first.inputs, arrays, strict=True)
+            ],
+            outputs=first.outputs,
+            tenant=first.tenant,
+            key=first.key,
+            priority=first.priority,
+            # The longest of its members': each member's own deadline is still kept here.
+            budget_ms=max(s.request.budget_ms or 0.0 for s in staged),
+            members=members,
+        )
+        record = Group(group.id, members, len(members))
+        self.in_flight[group.id] = record
+        for member in members:
+            self.member_of[member.id] = record
+        return encode_frame(group, arrays)
+
+    def leave_group(self, request_id: int) -> int | None:
+        """A request stops waiting (answered, or given up): the id an agent would know it by
+        to cancel it: its own when it travelled alone, its group's when it was the group's
+        last member waiting, else None (the others still want the group's run)."""
+        group = self.member_of.pop(request_id, None)
+        if group is None:
+            return request_id
+        group.waiting -= 1
+        if group.waiting:
+            return None
+        self.in_flight.pop(group.id, None)
+        return group.id
+
+    def answer_group(
+        self, group: Group, header: InferResult | InferError, arrays: list[np.ndarray]
+    ) -> None:
+        """Answer a group's waiting members from its one reply: an error answers each alike,
+        a result gives each its own rows."""
+        for member in group.members:
+            self.member_of.pop(member.id, None)
+        futures = [(m, self.pending.pop(m.id, None)) for m in group.members]
+        if isinstance(header, InferError):
+            for _, fut in futures:
+                if fut is not None:
+                    _answer(fut, header, [])
+            return
+        rows = sum(m.rows for m in group.members)
+        if any(a.ndim == 0 or a.shape[0] != rows for a in arrays):
+            broken = DispatchError(
+                502, f"the serving agent answered a group of {rows} rows with other rows"
+            )
+            for _, fut in futures:
+                if fut is not None and not fut.done():
+                    fut.set_exception(broken)
+            return
+        start = 0
+        for member, fut in futures:
+            end = start + member.rows
+            if fut is not None:
+                _answer(fut, header, [a[start:end] for a in arrays])
+            start = end
 
 
 # How long a failed send waits for its socket's end to be reported (see ``ended_as``).
@@ -340,6 +471,7 @@ class AgentPool:
     # Links -------------------------------------------------------------------------------------
     def add(self, link: AgentLink) -> None:
         link.breaker = Breaker(self.breaker_failures, self.breaker_cooldown_s)
+        link.ids = self._ids
         self._links.append(link)
 
     def set_ready(self, link: AgentLink, version_id: int, ready: bool) -> None:
@@ -387,6 +519,8 @@ class AgentPool:
             if not fut.done():
                 fut.set_exception(DispatchError(status, reason, retry_after))
         link.pending.clear()
+        link.in_flight.clear()
+        link.member_of.clear()
         for stream in link.streams.values():
             stream.ended = True  # nothing left to cancel
             stream.fail(DispatchError(status, reason, retry_after))
@@ -447,13 +581,15 @@ class AgentPool:
         tenant: int = 0,
         key: int = 0,
         priority: int = INTERACTIVE,
+        max_rows: int = 0,
     ) -> AgentReply:
         """Send one request to an agent serving the version and wait for its reply.
 
         ``timeout`` (seconds) travels as the request's budget: the agent drops it unrun once
         that much time has passed since it arrived there. A caller that stops waiting (the
         timeout, or its task cancelled when the client went away) sends a cancel frame, so a
-        queued request is never computed for nobody.
+        queued request is never computed for nobody. ``max_rows`` > 0 (the version's batch
+        size) lets it share a frame with requests of the same caller sent in the same turn.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -475,7 +611,7 @@ class AgentPool:
                 break
             try:
                 left = deadline - loop.time() if tried else timeout
-                reply = await self._infer_on(link, request, arrays, left)
+                reply = await self._infer_on(link, request, arrays, left, max_rows)
             except NotSent as exc:
                 if tried or not self._local_link(version_id, [link]):
                     raise await ended_as(link, exc) from None
@@ -509,7 +645,7 @@ class AgentPool:
             send = partial(self.remote_sender, channel)
             try:
                 await self._send(send, frame)
-                return await self._wait(fut, timeout, request.id, send)
+                return await self._wait(fut, timeout, partial(_cancel, send, request.id))
             except DispatchError as exc:
                 # Forwarded: the process holding the agent's connection may have died with it.
                 exc.transport = True
@@ -542,20 +678,29 @@ class AgentPool:
         return self._pick(links, lambda candidate: len(candidate.pending))
 
     async def _infer_on(
-        self, link: AgentLink, request: InferRequest, arrays: list[np.ndarray], timeout: float
+        self,
+        link: AgentLink,
+        request: InferRequest,
+        arrays: list[np.ndarray],
+        timeout: float,
+        max_rows: int = 0,
     ) -> AgentReply:
         """One try of a request on one link, its outcome told to the link's breaker: a send
         that failed, or no answer in time, counts against the agent; any answer for it."""
         request.id = next(self._ids)
         request.budget_ms = round(timeout * 1000, 3)
-        frame = encode_frame(request, arrays)
+        frame: bytes | Staged
+        if link.groups and max_rows > 0 and arrays and arrays[0].ndim:
+            frame = Staged(request, arrays, max_rows)  # encoded with its turn's others
+        else:
+            frame = encode_frame(request, arrays)
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
         link.pending[request.id] = fut
         link.breaker.begin(time.monotonic())
         self.dispatched["local"] += 1
         try:
             await self._send(link.send_frame, frame)
-            reply = await self._wait(fut, timeout, request.id, link.send_frame)
+            reply = await self._wait(fut, timeout, partial(_give_up, link, request.id))
         except DispatchError as exc:
             if (
                 isinstance(exc, NotSent)
@@ -566,6 +711,7 @@ class AgentPool:
             raise
         finally:
             link.pending.pop(request.id, None)
+            link.leave_group(request.id)
         link.breaker.success()
         return reply
 
@@ -609,7 +755,7 @@ class AgentPool:
             link.streams.pop(stream.id, None)
 
     @staticmethod
-    async def _send(send: Callable[[bytes], Awaitable[None]], frame: bytes) -> None:
+    async def _send(send: Callable[[Any], Awaitable[None]], frame: bytes | Staged) -> None:
         try:
             await send(frame)
         except Exception as exc:  # a socket closing under us surfaces as several types
@@ -619,8 +765,7 @@ class AgentPool:
         self,
         fut: asyncio.Future[AgentReply],
         timeout: float,
-        request_id: int,
-        send: Callable[[bytes], Awaitable[None]],
+        give_up: Callable[[], Coroutine[Any, Any, None] | None],
     ) -> AgentReply:
         """The reply; on giving up (the timeout, or this task cancelled because the client
         went away) the agent is told, so it drops the request if it is still queued. The
@@ -631,12 +776,12 @@ class AgentPool:
         try:
             return await fut
         except Expired:
-            in_background(_cancel(send, request_id))
+            _tell_agent(give_up())
             raise DispatchError(
                 504, f"the serving agent did not answer within {timeout:g} s"
             ) from None
         except asyncio.CancelledError:
-            in_background(_cancel(send, request_id))
+            _tell_agent(give_up())
             raise
         finally:
             entry[2] = None  # the heap no longer holds the future (nor the reply it holds)
@@ -664,9 +809,20 @@ class AgentPool:
             self._feed(link.streams, header)
             return None
         fut = link.pending.pop(header.id, None)
-        if fut is None:
+        if fut is not None:
+            _answer(fut, header, arrays)
+            return None
+        group = link.in_flight.pop(header.id, None)
+        if group is None:
             return header
-        _answer(fut, header, arrays)
+        if isinstance(header, InferResult | InferError):
+            link.answer_group(group, header, arrays)
+        else:  # a stream's frame cannot answer requests: fail each member (502)
+            for member in group.members:
+                link.member_of.pop(member.id, None)
+                member_fut = link.pending.pop(member.id, None)
+                if member_fut is not None:
+                    _answer(member_fut, header, [])
         return None
 
     def deliver_remote(self, data: bytes) -> None:
@@ -725,6 +881,19 @@ def prefer_spot(links: list[AgentLink], priority: int) -> list[AgentLink]:
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
+
+
+def _give_up(link: AgentLink, request_id: int) -> Coroutine[Any, Any, None] | None:
+    """A request on ``link`` stopped waiting: the cancel to send for it (of its group once
+    no member of it waits any more; none while one does). Decided at once, before the
+    request's own clean-up forgets which group it was in."""
+    target = link.leave_group(request_id)
+    return None if target is None else _cancel(link.send_frame, target)
+
+
+def _tell_agent(cancel: Coroutine[Any, Any, None] | None) -> None:
+    if cancel is not None:
+        in_background(cancel)
 
 
 async def _cancel(send: Callable[[bytes], Awaitable[None]], request_id: int) -> None:

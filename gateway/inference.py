@@ -74,6 +74,7 @@ async def run_inference(
             tenant=identity.tenant_id if identity is not None else 0,
             key=identity.key_id if identity is not None else 0,
             priority=sched.priority,
+            max_rows=route.max_batch_size,
         )
     except DispatchError as exc:
         if observed is not None:

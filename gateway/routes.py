@@ -67,6 +67,8 @@ class Route:
     # A graph version (a composed format): the gateway runs it node by node (gateway.graphs)
     # instead of sending it to an agent.
     graph: Graph | None = field(default=None, compare=False)
+    # The most rows the agent runs in one batch: requests grouped into one frame stay within it.
+    max_batch_size: int = 32
 
     @property
     def degrades(self) -> bool:
@@ -133,6 +135,7 @@ def route_of(version: ModelVersion) -> Route:
         outputs=tuple(version.outputs),
         feature_names=tuple(version.feature_names),
         platform=fmt.platform,
+        max_batch_size=version.max_batch_size,
         log_sample_rate=log_sample_rate,
         personal_fields=personal_fields,
         fallback_version_id=fallback if fallback != version.pk else None,

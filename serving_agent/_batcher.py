@@ -57,6 +57,26 @@ class SchedCounts:
     shed: int = 0  # refused or evicted for load (caller share, shadow cap, full queue)
 
 
+class RowsFailed(Exception):
+    """A group's run in which some rows failed on their own (a python package's ``Partial``):
+    the outputs of every row, and why each failed row failed (rows counted from the group's
+    first), for the group's members to be answered one by one."""
+
+    def __init__(
+        self,
+        outputs: list[np.ndarray],
+        row_errors: dict[int, str],
+        queue_s: float,
+        compute_s: float,
+    ) -> None:
+        super().__init__(f"{len(row_errors)} rows failed")
+        self.outputs = outputs
+        self.names: list[str] = []
+        self.row_errors = row_errors
+        self.queue_s = queue_s
+        self.compute_s = compute_s
+
+
 @dataclass(slots=True, eq=False)
 class _Pending:
     inputs: dict[str, np.ndarray]
@@ -71,6 +91,10 @@ class _Pending:
     deadline: float = math.inf  # time.monotonic() past which it is not worth computing
     request_id: int | None = None
     in_queue: bool = False
+    # The requests it holds: 1, or a group frame's members (its rows are theirs, in order).
+    # Queue depth, caller shares and shadow caps count requests, not entries.
+    weight: int = 1
+    row_errors: dict[int, str] | None = None  # a group's rows that failed on their own
 
 
 def request_rows(inputs: dict[str, np.ndarray]) -> int:
@@ -182,10 +206,13 @@ class Batcher:
         priority: int = INTERACTIVE,
         deadline: float = math.inf,
         request_id: int | None = None,
+        weight: int = 1,
     ) -> tuple[list[np.ndarray], float, float]:
         """``infer``, plus the seconds it waited for its batch and the seconds the run took.
 
         ``deadline`` is a ``time.monotonic()`` time; ``request_id`` lets ``cancel`` find it.
+        ``weight`` > 1: the inputs are a group of that many requests, queued and run as one
+        entry (``RowsFailed`` when some of their rows failed on their own).
         """
         if self._stopped:
             raise NotLoaded("version unloaded")
@@ -196,25 +223,28 @@ class Batcher:
             inputs, rows, key, future, time.perf_counter(), caller=caller, priority=priority
         )
         pending.deadline = deadline
+        pending.weight = weight
         self._admit(pending)
         if request_id is not None:
             pending.request_id = request_id
             self._by_id[request_id] = pending
         self._enqueue(pending)
-        self._caller_load[caller] = self._caller_load.get(caller, 0) + 1
+        self._caller_load[caller] = self._caller_load.get(caller, 0) + weight
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="batcher")
         try:
             outputs = await future
         finally:
-            load = self._caller_load[caller] - 1
+            load = self._caller_load[caller] - weight
             if load:
                 self._caller_load[caller] = load
             else:
                 del self._caller_load[caller]
             if pending.in_queue:  # its caller was cancelled while it waited
                 self._unlink(pending)
+        if pending.row_errors:
+            raise RowsFailed(outputs, pending.row_errors, pending.queue_s, pending.compute_s)
         return outputs, pending.queue_s, pending.compute_s
 
     def cancel(self, request_id: int) -> bool:
@@ -233,24 +263,23 @@ class Batcher:
         if p.deadline <= time.monotonic():
             self.counts.expired += 1
             raise Expired("the request's deadline passed before it reached the model")
-        if p.priority == SHADOW and self._class_depth[SHADOW] >= self.shadow_cap:
+        if p.priority == SHADOW and self._class_depth[SHADOW] + p.weight > self.shadow_cap:
             self.counts.shed += 1
             raise Overloaded(f"shadow copies are capped at {self.shadow_cap} queued requests")
         held = self._caller_load.get(p.caller, 0)
-        if held >= self.caller_cap and len(self._caller_load) > 1:
+        if held + p.weight > self.caller_cap and len(self._caller_load) > 1:
             self.counts.shed += 1
             raise OverShare(
                 f"this API key holds {held} requests on a version other callers share "
                 f"(at most {self.caller_cap}); slow down and retry"
             )
-        if self._depth < self.max_queue:
-            return
-        victim, error = self._victim(p)
-        self.counts.shed += 1
-        if victim is None:
-            raise error
-        self._unlink(victim)
-        victim.future.set_exception(error)
+        while self._depth and self._depth + p.weight > self.max_queue:
+            victim, error = self._victim(p)
+            self.counts.shed += 1
+            if victim is None:
+                raise error
+            self._unlink(victim)
+            victim.future.set_exception(error)
 
     def _victim(self, p: _Pending) -> tuple[_Pending | None, Overloaded]:
         """What a full queue gives up for ``p``: the newest request of the worst class below
@@ -285,8 +314,8 @@ class Batcher:
             queue = queues[p.caller] = deque()
         queue.append(p)
         p.in_queue = True
-        self._class_depth[p.priority] += 1
-        self._depth += 1
+        self._class_depth[p.priority] += p.weight
+        self._depth += p.weight
 
     def _unlink(self, p: _Pending) -> None:
         """Take a queued request out of its queue (nothing when it is not queued)."""
@@ -301,8 +330,8 @@ class Batcher:
 
     def _forget(self, p: _Pending) -> None:
         p.in_queue = False
-        self._class_depth[p.priority] -= 1
-        self._depth -= 1
+        self._class_depth[p.priority] -= p.weight
+        self._depth -= p.weight
         if p.request_id is not None:
             self._by_id.pop(p.request_id, None)
 
@@ -441,6 +470,13 @@ class Batcher:
             failed = [row_errors[r] for r in range(start, start + p.rows) if r in row_errors]
             if p.future.done():
                 pass
+            elif failed and p.weight > 1:  # the group's members are answered one by one
+                p.row_errors = {
+                    r - start: row_errors[r]
+                    for r in range(start, start + p.rows)
+                    if r in row_errors
+                }
+                p.future.set_result([out[start : start + p.rows] for out in outputs])
             elif failed:
                 p.future.set_exception(BadInput(f"the model refused this input: {failed[0]}"))
             else:

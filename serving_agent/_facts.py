@@ -83,4 +83,5 @@ def node_facts(
         providers=onnxruntime.get_available_providers(),
         deployment=deployment,
         memory_budget_bytes=memory_budget_bytes or default_memory_budget(node_gpus),
+        groups=True,
     )

@@ -50,13 +50,13 @@ class DataLink:
         self._task = asyncio.create_task(self.connection.run(self._stop), name=f"link {url}")
 
     async def attach(self) -> Attach:
-        return Attach(session=self.session)
+        return Attach(session=self.session, groups=True)
 
     async def reattach(self, session: int) -> None:
         """The main connection has a new session: serve its versions from now on (sent on the
         open link; a link reopening later attaches with it anyway)."""
         self.session = session
-        await self.connection.send(Attach(session=session).model_dump_json())
+        await self.connection.send(Attach(session=session, groups=True).model_dump_json())
 
     async def close(self) -> None:
         self._stop.set()

@@ -4,6 +4,7 @@ run through their version's batcher, generate requests join its engine's streams
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ._batcher import RowsFailed
 from ._exceptions import AgentError, BadInput, NotLoaded
 from ._signature import check_inputs
 from ._versions import Loaded, LoadedTextGen
@@ -76,11 +78,15 @@ class Stats:
         self._busy_s = 0.0
         self._window_start = clock()
 
-    def record(self, seconds: float, ok: bool) -> None:
-        self.requests_total += 1
-        self.errors_total += not ok
-        self.latencies.append(seconds)
-        self._busy_s += seconds
+    def record(self, seconds: float, ok: bool, requests: int = 1) -> None:
+        """``requests`` answered after ``seconds`` (a group's members, answered together)."""
+        self.requests_total += requests
+        self.errors_total += 0 if ok else requests
+        if requests == 1:
+            self.latencies.append(seconds)
+        else:
+            self.latencies.extend(itertools.repeat(seconds, requests))
+        self._busy_s += seconds * requests
 
     def load_avg(self) -> float:
         """Requests in the agent (queued or running) on average since the last call: by
@@ -173,34 +179,41 @@ class Serving:
     async def serve_request(
         self, request: InferRequest, arrays: list[np.ndarray], received: float
     ) -> None:
-        """Run one request and reply with its result or error frame."""
+        """Run one request (or a group of them) and reply with its result or error frame."""
         # The budget becomes a deadline on this host's clock, counted from the frame's arrival.
         budget_ms = MAX_BUDGET_MS if request.budget_ms is None else request.budget_ms
         deadline = time.monotonic() + min(budget_ms, MAX_BUDGET_MS) / 1000
         loaded = self.loaded.get(request.version_id)
         usage = loaded.usage if loaded is not None else None
         del loaded  # an eviction must not find the version still referenced here
+        requests = len(request.members) or 1
         if usage is not None:
-            usage.started()
-        self.stats.in_flight += 1
+            usage.started(requests)
+        self.stats.in_flight += requests
         try:
             try:
                 names, outputs, queue_s, compute_s = await self.infer(request, arrays, deadline)
                 reply = result_frame(request.id, names, outputs, queue_s, compute_s)
+            except RowsFailed as failed:
+                # Some members' rows failed on their own: each member gets its own answer.
+                frames = member_replies(request, failed)
+                await self.sender.send_frames(frames)
+                self.stats.record(time.perf_counter() - received, True, requests)
             except Exception as exc:  # noqa: BLE001 - every request id gets a reply
-                if request.trace:  # follow one request end to end: the platform's span
-                    logger.info("request %d (trace %s) failed: %s", request.id, request.trace, exc)
-                await self.reply(error_reply(request.id, exc), received, ok=False)
+                for request_id, trace in traces_of(request):
+                    # Follow one request end to end: the platform's span.
+                    logger.info("request %d (trace %s) failed: %s", request_id, trace, exc)
+                await self.reply(error_reply(request.id, exc), received, False, requests)
             else:
-                await self.reply(reply, received, ok=True)
+                await self.reply(reply, received, True, requests)
         finally:
-            self.stats.in_flight -= 1
+            self.stats.in_flight -= requests
             if usage is not None:
-                usage.finished()
+                usage.finished(requests)
 
-    async def reply(self, frame: bytes, received: float, ok: bool) -> None:
+    async def reply(self, frame: bytes, received: float, ok: bool, requests: int = 1) -> None:
         await self.sender.send_frames([frame])
-        self.stats.record(time.perf_counter() - received, ok)
+        self.stats.record(time.perf_counter() - received, ok, requests)
 
     async def infer(
         self, request: InferRequest, arrays: list[np.ndarray], deadline: float = math.inf
@@ -220,14 +233,24 @@ class Serving:
         unknown = sorted(set(wanted) - set(model_outputs))
         if unknown:
             raise BadInput(f"unknown outputs {unknown}; the model has {model_outputs}")
-        check_inputs(loaded.spec.inputs, inputs)
-        outputs, queue_s, compute_s = await loaded.batcher.infer_timed(
-            inputs,
-            caller=(request.tenant, request.key),
-            priority=request.priority,
-            deadline=deadline,
-            request_id=request.id,
-        )
+        rows = check_inputs(loaded.spec.inputs, inputs)
+        if request.members and sum(m.rows for m in request.members) != rows:
+            raise BadInput(f"the group's members hold {rows} rows, not their rows' sum")
+        try:
+            outputs, queue_s, compute_s = await loaded.batcher.infer_timed(
+                inputs,
+                caller=(request.tenant, request.key),
+                priority=request.priority,
+                deadline=deadline,
+                request_id=request.id,
+                weight=len(request.members) or 1,
+            )
+        except RowsFailed as failed:
+            failed.outputs = [
+                a for n, a in zip(model_outputs, failed.outputs, strict=True) if n in wanted
+            ]
+            failed.names = [n for n in model_outputs if n in wanted]
+            raise
         picked = [(n, a) for n, a in zip(model_outputs, outputs, strict=True) if n in wanted]
         return [n for n, _ in picked], [a for _, a in picked], queue_s, compute_s
 
@@ -269,6 +292,33 @@ def result_frame(
         compute_ms=round(compute_s * 1000, 3),
     )
     return encode_frame(header, outputs)
+
+
+def traces_of(request: InferRequest) -> list[tuple[int, str]]:
+    """The traced requests a frame carries: its own, or its group's members'."""
+    if request.members:
+        return [(m.id, m.trace) for m in request.members if m.trace]
+    return [(request.id, request.trace)] if request.trace else []
+
+
+def member_replies(request: InferRequest, failed: RowsFailed) -> list[bytes]:
+    """One frame per member of a group some of whose rows failed: an error for a member
+    holding a failed row, its own rows of the outputs for the others."""
+    frames = []
+    start = 0
+    for member in request.members:
+        end = start + member.rows
+        errors = [failed.row_errors[r] for r in range(start, end) if r in failed.row_errors]
+        if errors:
+            refused = BadInput(f"the model refused this input: {errors[0]}")
+            frames.append(error_reply(member.id, refused))
+        else:
+            outputs = [a[start:end] for a in failed.outputs]
+            frames.append(
+                result_frame(member.id, failed.names, outputs, failed.queue_s, failed.compute_s)
+            )
+        start = end
+    return frames
 
 
 def error_reply(request_id: int, exc: Exception) -> bytes:

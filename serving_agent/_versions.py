@@ -97,13 +97,13 @@ class VersionUsage:
     def last_active(self) -> float:
         return self.loaded_at if self.last_used is None else self.last_used
 
-    def started(self) -> None:
-        self.in_flight += 1
+    def started(self, requests: int = 1) -> None:
+        self.in_flight += requests
         self.last_used = time.monotonic()
 
-    def finished(self) -> None:
-        self.in_flight -= 1
-        self.requests_total += 1
+    def finished(self, requests: int = 1) -> None:
+        self.in_flight -= requests
+        self.requests_total += requests
         self.last_used = time.monotonic()
 
 

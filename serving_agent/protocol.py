@@ -171,6 +171,9 @@ class Hello(BaseModel):
     deployment: str | None = None
     # Memory this agent may fill with loaded versions (accelerator memory on a GPU node).
     memory_budget_bytes: int = 0
+    # The agent serves grouped infer frames (``InferRequest.members``); a gateway sends an
+    # agent that does not say so one frame per request.
+    groups: bool = False
 
 
 class Attach(BaseModel):
@@ -180,6 +183,7 @@ class Attach(BaseModel):
 
     type: Literal["attach"] = "attach"
     session: int
+    groups: bool = False  # as ``Hello.groups``
 
 
 class Detach(BaseModel):
@@ -305,6 +309,15 @@ CRITICAL, INTERACTIVE, BATCH, SHADOW = range(len(PRIORITY_CLASSES))
 MAX_BUDGET_MS = 3_600_000.0
 
 
+class Member(msgspec.Struct, array_like=True):
+    """One request of a grouped frame: its own id, the rows it holds of the frame's inputs
+    (in the order of ``InferRequest.members``) and its trace."""
+
+    id: int
+    rows: Annotated[int, msgspec.Meta(ge=1)]
+    trace: str = ""
+
+
 class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     id: int
     version_id: int
@@ -319,6 +332,12 @@ class InferRequest(msgspec.Struct, tag="infer", tag_field="type"):
     key: Annotated[int, msgspec.Meta(ge=0)] = 0
     priority: Annotated[int, msgspec.Meta(ge=0, le=len(PRIORITY_CLASSES) - 1)] = INTERACTIVE
     budget_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # A group: requests of one caller for this version sent in one event-loop turn, their
+    # inputs concatenated along axis 0 in this order. ``id`` names the group (a cancel of it,
+    # the one reply); the agent answers it with one result of the concatenated rows, or one
+    # error for all, or, when members fare differently, one reply per member id. Empty: one
+    # request, ``id`` its own.
+    members: list[Member] = []
 
 
 class InferResult(msgspec.Struct, tag="result", tag_field="type"):
