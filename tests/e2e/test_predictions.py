@@ -4,6 +4,9 @@ compare with ONNX Runtime run in the test process."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -57,6 +60,35 @@ def test_oip_v2_predictions_equal_onnx_runtime(stack, rng):
         np.testing.assert_allclose(got, expected(stack.artifact, x), rtol=1e-5, atol=1e-6)
         by_version = client.post("/v2/models/clf/versions/1/infer", json=oip_body(x))
         assert by_version.json()["outputs"][0]["data"] == out["data"]
+
+
+def test_concurrent_requests_each_get_their_own_rows(stack, rng):
+    """Many clients at once: the gateway groups a turn's requests into one agent frame
+    (docs/architecture.md, "Grouped infer frames") and splits the reply back; each client must
+    get exactly the answer to its own rows, whatever it was grouped with."""
+    xs = [rng.normal(size=(int(rng.integers(1, 4)), 4)).astype(np.float32) for _ in range(48)]
+
+    async def all_at_once() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {stack.key_a}"}
+        limits = httpx.Limits(max_connections=len(xs))
+        async with httpx.AsyncClient(
+            base_url=stack.url, headers=headers, timeout=30, limits=limits
+        ) as client:
+            return await asyncio.gather(
+                *(
+                    client.post("/v2/models/clf/infer", json=oip_body(x, f"req-{i}"))
+                    for i, x in enumerate(xs)
+                )
+            )
+
+    for _ in range(3):
+        responses = asyncio.run(all_at_once())
+        for i, (x, response) in enumerate(zip(xs, responses, strict=True)):
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["id"] == f"req-{i}"
+            got = np.array(body["outputs"][0]["data"], dtype=np.float32).reshape(len(x), 2)
+            np.testing.assert_allclose(got, expected(stack.artifact, x), rtol=1e-5, atol=1e-6)
 
 
 def test_prediction_api_takes_rows_and_columns(stack, rng):
