@@ -255,8 +255,8 @@ class AgentLink:
     outbox: list[bytes | Staged] = field(default_factory=list)
     # The agent takes grouped infer frames (``Hello.groups``): a turn's requests of one caller
     # for one version travel as one frame, decoded, queued, run and answered once by the
-    # agent. ``ids`` (the pool's) names the groups; ``groups`` holds those in flight, and
-    # ``member_of`` each waiting member's group.
+    # agent. ``ids`` (the pool's) names the groups; ``in_flight`` holds those sent and not yet
+    # answered, and ``member_of`` each waiting member's group.
     groups: bool = False
     ids: Iterator[int] | None = None
     in_flight: dict[int, Group] = field(default_factory=dict)
@@ -274,9 +274,26 @@ class AgentLink:
         self.outbox.append(frame)
         if len(self.outbox) > 1:
             return  # an earlier request of this turn is already the flusher
-        await asyncio.sleep(0)  # let the rest of this turn's requests queue their frames
+        try:
+            await asyncio.sleep(0)  # let the rest of this turn's requests queue their frames
+        except asyncio.CancelledError:
+            # The flusher's own client left in this very turn. The turn's other frames must
+            # still go, and the outbox must be empty for the next turn's flusher: left full,
+            # every later sender would wait for a flush that never comes and the link would
+            # answer nothing again.
+            items, self.outbox = self.outbox, []
+            in_background(self._flush(items))
+            raise
         items, self.outbox = self.outbox, []
         await self.send_message(pack_frames(self._frames_of(items)))
+
+    async def _flush(self, items: list[bytes | Staged]) -> None:
+        """Send a turn's frames for a flusher that was cancelled; a failure is the socket's
+        end, which ``AgentPool.remove`` reports to the requests waiting on it."""
+        try:
+            await self.send_message(pack_frames(self._frames_of(items)))
+        except Exception as exc:  # noqa: BLE001 - nobody awaits this send
+            log.info("could not send a turn's frames on %s: %r", self.name, exc)
 
     def _frames_of(self, items: list[bytes | Staged]) -> list[bytes]:
         """A turn's frames: staged requests grouped by ``Staged.group_key`` (in order, up to
@@ -287,6 +304,8 @@ class AgentLink:
             if isinstance(item, bytes):
                 slots.append(item)
                 continue
+            if item.request.id not in self.pending:
+                continue  # its caller stopped waiting before the turn ended: nothing to send
             key = item.group_key()
             rows = item.arrays[0].shape[0] if item.arrays and item.arrays[0].ndim else 1
             found = open_groups.get(key)

@@ -254,6 +254,35 @@ def test_a_member_that_gives_up_leaves_the_others_their_answers() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("groups", [True, False])
+def test_a_turn_whose_flusher_leaves_still_sends_the_others_and_the_link_keeps_serving(
+    groups: bool,
+) -> None:
+    """The first request of a turn sends the turn's frames once the turn ends. When its client
+    leaves in that very turn, the others' frames must still go, and the next turn must find
+    the outbox empty: left full, every later request waited for a flush that never came."""
+
+    async def scenario() -> None:
+        wire = Wire(doubling(1), groups=groups)
+        flusher, *others = [wire.infer(rows(1, i)) for i in range(3)]
+        await asyncio.sleep(0)  # each queued its frame; the first waits for the turn's end
+        assert len(wire.link.outbox) == 3
+        flusher.cancel()
+        async with asyncio.timeout(2):
+            replies = await asyncio.gather(*others)
+            for i, (header, (y,)) in enumerate(replies, start=1):
+                assert isinstance(header, InferResult)
+                np.testing.assert_array_equal(y, rows(1, i) * 2)
+            later, (y,) = await wire.infer(rows(2, 7))
+        assert isinstance(later, InferResult)
+        np.testing.assert_array_equal(y, rows(2, 7) * 2)
+        assert flusher.cancelled()
+        if groups:  # the request whose client left was not sent at all
+            assert [len(f.members) for f in wire.infer_frames()] == [2, 0]
+
+    asyncio.run(scenario())
+
+
 def test_an_agent_answering_a_group_with_other_rows_fails_its_members_with_502() -> None:
     async def scenario() -> None:
         wire = Wire(doubling(1))
