@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -46,6 +47,7 @@ from tests.e2e.harness import (  # noqa: E402
     services_backend,
     wait_until,
 )
+from tests.otlp_receiver import Receiver, otlp_receiver  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -218,6 +220,12 @@ CASES = {
     "canary": ("uvicorn, canary plan 50/50", "uvicorn", "oip", False, 1),
     "grpc": ("uvicorn, OIP v2 over gRPC", "uvicorn", "grpc", False, 1),
 }
+# OpenTelemetry spans (docs/observability.md, "Traces") at a share of fresh traces, sent over
+# OTLP/gRPC to a receiver in this process (its CPU is not the server's): the server and the
+# agent pay for recording and encoding theirs.
+SPAN_RATIOS = {"spans0": "0", "spans10": "0.1", "spans100": "1"}
+for _case, _ratio in SPAN_RATIOS.items():
+    CASES[_case] = (f"uvicorn, spans at {float(_ratio):.0%}", "uvicorn", "oip", False, 1)
 # Registers the demo artifact again as version 2 and starts a 50 % canary towards it.
 START_CANARY = """
 from registry.models import Model
@@ -254,7 +262,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--connections", default="1,16,64")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case ids")
+    parser.add_argument(
+        "--cases",
+        # The spans cases only when asked for: they measure tracing, not the platform.
+        default=",".join(c for c in CASES if c not in SPAN_RATIOS),
+        help="comma-separated case ids",
+    )
     parser.add_argument(
         "--peers",
         default="",
@@ -323,6 +336,7 @@ def main() -> None:
     finally:
         for proc in bench.running:
             proc.stop()
+        bench.exits.close()
         backend.close()
         redis.terminate()
         for _, tree in trees[1:]:
@@ -365,6 +379,8 @@ class Bench:
         self.running: list[Proc] = []  # stopped in main's ``finally`` on a failed run
         self.notes: list[str] = []
         self.canary_started = False
+        self.exits = contextlib.ExitStack()  # the OTLP receiver, when a spans case runs
+        self.otlp: Receiver | None = None
 
     def switchyard(self, case: str, tree: Path, suffix: str, round_: int) -> list[dict]:
         """Start the case's gateway process(es) and agent from ``tree``, measure, stop."""
@@ -379,6 +395,11 @@ class Bench:
         env = {**backend.env, "LOG_LEVEL": "WARNING"}
         if hop:  # no data links, so the front process must go through Redis
             env["SWITCHYARD_AGENT_LINKS"] = "0"
+        if case in SPAN_RATIOS:
+            if self.otlp is None:
+                self.otlp = self.exits.enter_context(otlp_receiver("grpc"))
+            ratio = {"OTEL_TRACES_SAMPLER_ARG": SPAN_RATIOS[case]}
+            env.update(self.otlp.env(OTEL_TRACES_SAMPLER="parentbased_traceidratio", **ratio))
         grpc_address = f"127.0.0.1:{free_port()}"
         if kind == "grpc":
             env["SWITCHYARD_GRPC_HOST"], env["SWITCHYARD_GRPC_PORT"] = grpc_address.split(":")

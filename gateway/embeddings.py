@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.models import TaskKind
 
-from . import idempotency, pipeline
+from . import idempotency, pipeline, spans
 from .admission import model_ref
 from .asgi_io import header, read_body, respond
 from .asgi_types import Receive, Scope, Send
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # The output that counts each row's tokens (``registry.text.TOKEN_COUNT``).
 TOKEN_COUNT = "token_count"
 MAX_INPUTS = 2048  # OpenAI's own limit per request
+DOOR = spans.HttpDoor("/v1/embeddings", spans.scope_request, "embeddings")
 
 
 class EmbeddingsBody(BaseModel):
@@ -52,7 +53,7 @@ async def embeddings_app(scope: Scope, receive: Receive, send: Send) -> None:
     """``/v1/embeddings`` as a lean ASGI app, as OIP v2 is: Django's request stack measured at
     about half the throughput on a CPU the model shares (docs/text-and-embeddings.md)."""
     state = get_state()
-    call = Call(state, header(scope, b"x-request-id"), header(scope, b"traceparent"))
+    call = Call(state, header(scope, b"x-request-id"), header(scope, b"traceparent"), DOOR, scope)
     status, body, headers = await serve(call, _answer(state, scope, receive, call), _render_error)
     await respond(send, status, body, [*headers, *call.trace.headers()])
     call.finish()

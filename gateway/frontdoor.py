@@ -7,7 +7,8 @@ the request, call the pipeline, render the reply) and gives ``serve`` its protoc
 renderer; once its reply is sent it calls ``Call.finish``. The lifecycle owns:
 
 - tracing: the request id and traceparent (a malformed id is a 400 before any work), set for
-  the request's log records;
+  the request's log records; a sampled request's spans (``gateway.spans``: the door names
+  itself with a ``Door``) are exported once its reply is sent;
 - refusals and their metrics: every door's outcome is counted by ``GatewayState.observe`` from
   the moment the door says it is predicting, so a 401, 404 or 429 counts the same everywhere;
 - the Idempotency-Key: claimed through ``Call.claim_key``, kept with ``Call.keep`` (which
@@ -30,9 +31,10 @@ from collections.abc import Callable, Coroutine
 from contextvars import Token
 from typing import Any, TypeVar
 
+from platform_site import telemetry
 from tenants.keys import KeyIdentity
 
-from . import admission, idempotency, tracing
+from . import admission, idempotency, spans, tracing
 from .asgi_types import Receive
 from .dispatch import in_background
 from .errors import ApiError
@@ -53,8 +55,15 @@ class Call:
     __slots__ = ("state", "trace", "observed", "after", "claim", "status", "refused", "_token")
 
     def __init__(
-        self, state: GatewayState, request_id: str | None, traceparent: str | None
+        self,
+        state: GatewayState,
+        request_id: str | None,
+        traceparent: str | None,
+        door: spans.Door | None = None,
+        where: Any = None,
     ) -> None:
+        """``door``: how its span names the request, read from ``where`` (the door's request
+        object) only when the request is sampled; without one, no span (not a prediction)."""
         self.state = state
         self.refused: ApiError | None = None  # answered before any work: a malformed id
         try:
@@ -62,7 +71,11 @@ class Call:
         except tracing.BadRequestId as exc:
             self.trace = tracing.start_trace(None, None)
             self.refused = ApiError(400, str(exc))
-        self.observed = Observed(self.trace)
+        # With tracing off (or the request unsampled) this test is all its spans cost it.
+        if telemetry.exporting is None or door is None or not self.trace.sampled:
+            self.observed = Observed(self.trace)
+        else:
+            self.observed = spans.Timeline(self.trace, door, where)
         self.after: After = []  # shadow copies, started once the reply is sent
         self.claim: idempotency.Claim | None = None  # held, not yet kept
         self.status = 200  # the status the reply carries; errors set it
@@ -116,6 +129,8 @@ class Call:
         queued for after the reply (never before it: it must not delay the answer)."""
         if self.observed.predicting:
             self.state.observe(self.observed, self.status)
+        if type(self.observed) is spans.Timeline:  # sampled: its spans, from times it took
+            spans.export(self.observed, self.status)
         for coro in self.after:
             in_background(coro)
         if self._token is not None:

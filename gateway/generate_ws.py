@@ -49,6 +49,7 @@ from platform_site.tokens import bearer
 from tenants.keys import KeyIdentity
 from tenants.members import session_identity
 
+from . import spans
 from .admission import recheck_key, watch_key
 from .db import db_call
 from .dispatch import SlowClient
@@ -60,6 +61,8 @@ from .state import get_state
 
 log = logging.getLogger(__name__)
 
+# Each generation's span when sampled (its socket's path read from the consumer's scope).
+DOOR = spans.StreamDoor("/ws/v1/models/{name}/generate", lambda consumer: consumer.scope["path"])
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_SLOW_CLIENT = 4408
 MAX_MESSAGE_BYTES = 1_048_576
@@ -97,6 +100,8 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         # The handshake's scheduling headers: defaults for every generation on the socket.
         self.priority_header = _latin1(headers.get(PRIORITY_HEADER.encode()))
         self.timeout_header = _latin1(headers.get(TIMEOUT_HEADER.encode()))
+        # The handshake's trace context: each generation on the socket is a child of it.
+        self.traceparent = _latin1(headers.get(b"traceparent"))
         authorization = headers.get(b"authorization")
         user = self.scope.get("user")
         if authorization is not None:
@@ -225,7 +230,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
         """One generation under the front-door lifecycle: its trace, its refusals counted,
         every error (expected or not) an error frame."""
         assert self.identity is not None  # receive() starts generations once authenticated
-        call = Call(self.state, None, None)
+        call = Call(self.state, None, self.traceparent, DOOR, self)
         call.predicting()
         call.observed.tenant = self.identity.tenant_slug
         error = await serve(call, self._stream(stream_id, params, routing_key, sched), _as_error)
@@ -288,7 +293,7 @@ class GenerateConsumer(AsyncWebsocketConsumer):
     async def refuse(self, stream_id: object, exc: ApiError) -> None:
         """A request refused before its generation started: counted by the front-door
         lifecycle as every door's refusals are, then told as an error frame."""
-        call = Call(self.state, None, None)
+        call = Call(self.state, None, self.traceparent, DOOR, self)
         call.predicting()
         if self.identity is not None:
             call.observed.tenant = self.identity.tenant_slug

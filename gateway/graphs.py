@@ -23,6 +23,7 @@ from monitoring.traffic import NO_PLAN, PlanArmKey
 from registry.graph_spec import MAX_DEPTH, MAX_NODES, Condition, Ensemble, Node, Sequence, Step
 from tenants.keys import KeyIdentity
 
+from . import spans
 from .admission import check_budget
 from .checks import check_tensor
 from .dispatch import DispatchError
@@ -109,6 +110,8 @@ async def run_graph(
         observed.names, observed.arrays = names, arrays
         trace = observed.trace
     run = GraphRun(state, route.tenant_id, identity, sched, trace)
+    if type(observed) is spans.Timeline:  # a sampled request: a span per node
+        run.timeline = observed
     try:
         result = await run.graph(route, dict(zip(names, arrays, strict=True)), 1)
         answer = _answer(route, result, outputs)
@@ -176,6 +179,7 @@ class GraphRun:
         self.trace = trace
         self.tenant = identity.tenant_slug if identity is not None else ""
         self.calls = 0
+        self.timeline: spans.Timeline | None = None  # a sampled request's, for nodes' spans
         self.not_ready = False  # a node failed only because no replica of it was ready yet
 
     async def graph(self, route: Route, env: Tensors, level: int) -> Tensors:
@@ -226,12 +230,19 @@ class GraphRun:
 
     async def node(self, graph: Route, node: Node, env: Tensors, level: int) -> Tensors:
         started = time.perf_counter()
+        span = None if self.timeline is None else spans.NodeSpan(self.timeline, node.name, graph)
+        status: int | None = None  # None: cancelled, neither answered nor failed
         try:
             out = await self._node(node, env, level)
+            status = 200
         except ApiError as exc:
-            self._observe(graph, node, started, exc.status)
+            status = exc.status
             raise
-        self._observe(graph, node, started, 200)
+        finally:
+            if status is not None:
+                self._observe(graph, node, started, status)
+            if span is not None:
+                span.close(status)
         return out
 
     def _observe(self, graph: Route, node: Node, started: float, status: int) -> None:
@@ -299,7 +310,9 @@ class GraphRun:
         left_ms = (self.deadline - time.monotonic()) * 1000
         if left_ms < 1:
             raise ApiError(504, f"{named}: the request's deadline passed before the node ran")
-        observed = Observed(self.trace) if self.trace is not None else None
+        # A sampled request's node carries its node's span: the agent's spans are its children.
+        trace = self.trace if self.timeline is None else spans.node_trace(self.trace)
+        observed = Observed(trace) if trace is not None else None
         try:
             return await run_inference(
                 self.state,

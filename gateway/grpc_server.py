@@ -18,7 +18,7 @@ import orjson
 from django.conf import settings
 from google.protobuf.message import DecodeError, Message
 
-from . import graphs, grpc_codec, idempotency, pipeline
+from . import graphs, grpc_codec, idempotency, pipeline, spans
 from .admission import admit
 from .errors import ApiError
 from .frontdoor import Call, serve
@@ -30,6 +30,8 @@ from .state import GatewayState, get_state
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
+# ModelInfer's sampled calls' spans, with the gRPC status code each error answers as.
+INFER_DOOR = spans.RpcDoor(SERVICE, "ModelInfer", lambda s: grpc_codec.grpc_code(s).value[0])
 _SERVER = orjson.loads(SERVER_METADATA)
 
 Reply = TypeVar("Reply", bound=Message)
@@ -113,7 +115,7 @@ async def model_metadata_call(
 async def model_infer(request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
     state = get_state()
     metadata = _metadata(context)
-    call = Call(state, metadata.get("x-request-id"), metadata.get("traceparent"))
+    call = Call(state, metadata.get("x-request-id"), metadata.get("traceparent"), INFER_DOOR)
     if call.refused is None:
         call.predicting()  # a malformed request id is refused before it is a prediction
     answer = await serve(

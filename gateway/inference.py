@@ -63,7 +63,10 @@ async def run_inference(
             )
         breaker.begin(now)
     try:
-        await state.ready(route.version_id)  # holds a cold start; at once when warm
+        # Holds a cold start; at once when warm.
+        await state.ready(
+            route.version_id, route=route, tenant=identity.tenant_slug if identity else ""
+        )
         reply, result = await state.pool.infer(
             route.version_id,
             names,

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from . import graphs, idempotency, pipeline
+from . import graphs, idempotency, pipeline, spans
 from .asgi_io import error_body as _error
 from .asgi_io import header as _header
 from .asgi_io import read_body as _read_body
@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 SERVER_METADATA = orjson.dumps(
     {"name": "switchyard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
 )
+DOOR = spans.HttpDoor(spans.oip_route, spans.scope_request)  # its sampled requests' spans
 
 
 async def oip_app(scope: Scope, receive: Receive, send: Send) -> None:
     state = get_state()
-    call = Call(state, _header(scope, b"x-request-id"), _header(scope, b"traceparent"))
+    call = Call(state, _header(scope, b"x-request-id"), _header(scope, b"traceparent"), DOOR, scope)
     status, body, headers = await serve(call, _handle(state, scope, receive, call), _render_error)
     await _respond(send, status, body, [*headers, *call.trace.headers()])
     call.finish()

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from . import telemetry
 from ._agent import Agent
 from ._cache import ArtifactCache
 from ._memory import HOST_BUDGET_FRACTION, MiB
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     # Keep the imported heap (numpy, onnxruntime, pydantic) out of full GC collections, which
     # otherwise show up as tail latency under load (as measured on the gateway).
     gc.freeze()
+    telemetry.configure()  # off unless OTEL_TRACES_EXPORTER says otherwise (docs/observability.md)
     run(serve(args))
     return 0
 

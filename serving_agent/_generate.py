@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from . import telemetry
 from ._batcher import SchedCounts
 from ._compute import ComputeMeter, RunTotals
 from ._exceptions import BadInput, NotLoaded, Overloaded
@@ -38,6 +39,7 @@ from ._streaming import find_stop as find_stop
 from ._streaming import frames_by_sender as frames_by_sender
 from ._streaming import held_back as held_back
 from ._streaming import plain_chat_prompt as plain_chat_prompt
+from ._streaming import record_generation
 from .protocol import (
     MAX_BUDGET_MS,
     PRIORITY_CLASSES,
@@ -529,6 +531,8 @@ class Engine:
             decode_ms=0.0 if first is None else (stream.last_token_at - first) * 1000,
         )
         out.append((stream, encode_frame(done)))
+        if telemetry.exporting is not None:  # its span, when the platform sampled it
+            record_generation(stream.request, stream.received, first, stream.last_token_at, done)
 
     def _release_finished(self) -> None:
         """Free the rows of finished streams, moving the last active stream into each hole so

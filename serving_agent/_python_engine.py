@@ -31,6 +31,7 @@ from typing import Any
 
 from switchyard_client.model import pack, unpack
 
+from . import telemetry
 from ._batcher import SchedCounts
 from ._compute import ComputeMeter, RunTotals
 from ._exceptions import BadInput, NotLoaded, Overloaded
@@ -44,6 +45,7 @@ from ._streaming import (
     frames_by_sender,
     held_back,
     plain_chat_prompt,
+    record_generation,
 )
 from .package import read_package
 from .protocol import (
@@ -483,6 +485,8 @@ class PythonEngine:
             decode_ms=0.0 if first is None else (stream.last_token_at - first) * 1000,
         )
         self._end(stream, encode_frame(done), out, in_worker)
+        if telemetry.exporting is not None:  # its span, when the platform sampled it
+            record_generation(stream.request, stream.received, first, stream.last_token_at, done)
 
     def _end(self, stream: _Stream, frame: bytes | None, out: Out, in_worker: bool = True) -> None:
         """The stream is over (its last frame, if any, goes out): it leaves the live streams,

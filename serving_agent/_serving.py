@@ -16,16 +16,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from . import telemetry
 from ._batcher import RowsFailed
 from ._exceptions import AgentError, BadInput, NotLoaded
 from ._signature import check_inputs
 from ._versions import Loaded, LoadedTextGen
 from .protocol import (
     MAX_BUDGET_MS,
+    PRIORITY_CLASSES,
     CancelGenerate,
     GenerateRequest,
     InferRequest,
     InferResult,
+    Member,
     decode_frame,
     encode_frame,
     error_frame,
@@ -193,19 +196,28 @@ class Serving:
         try:
             try:
                 names, outputs, queue_s, compute_s = await self.infer(request, arrays, deadline)
+                ran = time.perf_counter()
                 reply = result_frame(request.id, names, outputs, queue_s, compute_s)
             except RowsFailed as failed:
                 # Some members' rows failed on their own: each member gets its own answer.
+                ran = time.perf_counter()
                 frames = member_replies(request, failed)
                 await self.sender.send_frames(frames)
                 self.stats.record(time.perf_counter() - received, True, requests)
+                if telemetry.exporting is not None:
+                    record_spans(request, received, ran, failed.queue_s, failed.compute_s)
             except Exception as exc:  # noqa: BLE001 - every request id gets a reply
                 for request_id, trace in traces_of(request):
                     # Follow one request end to end: the platform's span.
                     logger.info("request %d (trace %s) failed: %s", request_id, trace, exc)
                 await self.reply(error_reply(request.id, exc), received, False, requests)
+                if telemetry.exporting is not None:
+                    code = exc.code if isinstance(exc, AgentError) else "internal"
+                    record_spans(request, received, None, 0.0, 0.0, code)
             else:
                 await self.reply(reply, received, True, requests)
+                if telemetry.exporting is not None:  # off: this test is all tracing costs
+                    record_spans(request, received, ran, queue_s, compute_s)
         finally:
             self.stats.in_flight -= requests
             if usage is not None:
@@ -299,6 +311,89 @@ def traces_of(request: InferRequest) -> list[tuple[int, str]]:
     if request.members:
         return [(m.id, m.trace) for m in request.members if m.trace]
     return [(request.id, request.trace)] if request.trace else []
+
+
+def record_spans(
+    request: InferRequest,
+    received: float,
+    ran: float | None,
+    queue_s: float,
+    compute_s: float,
+    error: str | None = None,
+) -> None:
+    """The agent's spans of an answered frame, for each of its requests whose trace the
+    platform sampled (the frame's traceparent says so; a malformed one is ignored): the
+    request on the agent (frame in, its outputs ready), a child of the platform's span that
+    sent it, and in it the wait for a batch and the batch's run (``ran``: when it ended; None
+    when the request failed before a run: then only the request's span, with its error code).
+    The request's span ends before its reply is sent: the gateway may have answered its
+    client before the agent's send returns, and a child should not outlast its parent."""
+    try:
+        _record_spans(request, received, ran, queue_s, compute_s, error)
+    except Exception:  # the reply is sent: a tracing failure is logged, never the request's
+        logger.exception("could not record the spans of request %d", request.id)
+
+
+def _record_spans(
+    request: InferRequest,
+    received: float,
+    ran: float | None,
+    queue_s: float,
+    compute_s: float,
+    error: str | None,
+) -> None:
+    exporting = telemetry.exporting
+    if exporting is None:
+        return
+    replied = time.perf_counter() if ran is None else ran
+    members = request.members or [Member(request.id, 1, request.trace)]
+    for member in members:
+        if not member.trace or not telemetry.sampled(member.trace[-2:]):
+            continue  # the cheap test first: most requests of a sampled fleet are not sampled
+        parsed = telemetry.parse_traceparent(member.trace)
+        if parsed is None:
+            continue
+        trace_id, parent_id, _ = parsed
+        span_id = telemetry.new_span_id()
+        attributes: dict[str, str | int] = {
+            "switchyard.agent.request_id": member.id,
+            "switchyard.version.id": request.version_id,
+            "switchyard.priority": PRIORITY_CLASSES[request.priority],
+            "switchyard.group.size": len(request.members) or 1,
+        }
+        if request.members:
+            attributes["switchyard.rows"] = member.rows
+        exporting.span(
+            "switchyard.agent.infer",
+            trace_id,
+            span_id,
+            parent_id,
+            exporting.epoch_ns(received),
+            exporting.epoch_ns(replied),
+            kind="server",
+            attributes=attributes,
+            error=error,
+            remote_parent=True,
+        )
+        if ran is None:
+            continue
+        run_started = ran - compute_s
+        exporting.span(
+            "switchyard.agent.queue",
+            trace_id,
+            telemetry.new_span_id(),
+            span_id,
+            exporting.epoch_ns(run_started - queue_s),
+            exporting.epoch_ns(run_started),
+        )
+        exporting.span(
+            "switchyard.agent.run",
+            trace_id,
+            telemetry.new_span_id(),
+            span_id,
+            exporting.epoch_ns(run_started),
+            exporting.epoch_ns(ran),
+        )
 
 
 def member_replies(request: InferRequest, failed: RowsFailed) -> list[bytes]:

@@ -9,20 +9,27 @@ a sandboxed worker). Only nodes serving a torch format import torch.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
+from . import telemetry
 from ._batcher import SchedCounts
 from ._compute import ComputeMeter, RunTotals
 from ._generation_stats import GenerationStats
 from .protocol import (
+    PRIORITY_CLASSES,
     ChatTurn,
+    GenerateDone,
     GenerateRequest,
     GenerationLimits,
     TokenBatch,
     TokenChunk,
     encode_frame,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -110,3 +117,59 @@ def frames_by_sender(
     for send, texts in chunks.items():
         frames[send] = [encode_frame(TokenBatch(texts)), *frames.get(send, ())]
     return frames
+
+
+def record_generation(
+    request: GenerateRequest,
+    received: float,
+    first_token_at: float | None,
+    last_token_at: float,
+    done: GenerateDone,
+) -> None:
+    """The agent's span of a finished stream whose trace the platform sampled (the frame's
+    traceparent says so; a malformed one is ignored): ``switchyard.agent.generate``, a child
+    of the platform's span that sent it, from the frame's arrival to the last token, with
+    OpenTelemetry's GenAI attributes and the first token as an event. Either engine calls it
+    as it finishes a stream (possibly on its worker thread: the processor's queue is
+    thread-safe); a failure is logged, never the stream's."""
+    exporting = telemetry.exporting
+    trace = request.trace
+    finish_reason, input_tokens, output_tokens = (
+        done.finish_reason,
+        done.input_tokens,
+        done.output_tokens,
+    )
+    if exporting is None or not trace or not telemetry.sampled(trace[-2:]):
+        return
+    parsed = telemetry.parse_traceparent(trace)
+    if parsed is None:
+        return
+    try:
+        ended = last_token_at if first_token_at is not None else time.perf_counter()
+        attributes: dict[str, str | int | float | list[str]] = {
+            "gen_ai.operation.name": "chat" if request.messages else "text_completion",
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.response.finish_reasons": [finish_reason],
+            "switchyard.agent.request_id": request.id,
+            "switchyard.version.id": request.version_id,
+            "switchyard.priority": PRIORITY_CLASSES[request.priority],
+        }
+        events: list[tuple[str, int, telemetry.Attributes]] = []
+        if first_token_at is not None:
+            attributes["gen_ai.server.time_to_first_token"] = first_token_at - received
+            events.append(("gen_ai.first_token", exporting.epoch_ns(first_token_at), {}))
+        exporting.span(
+            "switchyard.agent.generate",
+            parsed[0],
+            telemetry.new_span_id(),
+            parsed[1],
+            exporting.epoch_ns(received),
+            exporting.epoch_ns(ended),
+            kind="server",
+            attributes=attributes,
+            events=events,
+            remote_parent=True,
+        )
+    except Exception:
+        logger.exception("could not record the span of generation %d", request.id)

@@ -27,7 +27,7 @@ from rest_framework.exceptions import ValidationError
 
 from platform_site.errors import api_exception_handler
 
-from .. import bytes_tensors, idempotency, pipeline
+from .. import bytes_tensors, idempotency, pipeline, spans
 from ..asgi_io import error_body, header, read_body, respond
 from ..asgi_types import Receive, Scope, Send
 from ..errors import ApiError
@@ -119,7 +119,7 @@ async def answer(
     """The reply to one prediction request, whatever goes wrong: every error in the API's
     shape (``{"error": ...}``), with its status and headers (``Retry-After`` when shedding).
     ``receive``: the ASGI channel, watched for a client that leaves (Django watches its own)."""
-    call = Call(state, header("x-request-id"), header("traceparent"))
+    call = Call(state, header("x-request-id"), header("traceparent"), DOOR, url)
     call.predicting()  # counted (and maybe logged) whatever happens from here
     payload, headers = await serve(
         call, _predict(call, state, header, url, body, receive), _render_error
@@ -204,6 +204,17 @@ async def _predict(
     observed.mark("serialization")
     headers = await call.keep(200, headers, payload)
     return payload, headers
+
+
+def _route_of(path: str) -> str:
+    # A model's name holds no "/": a "/versions/" segment is the version's.
+    if "/versions/" in path:
+        return "/api/v1/models/{name}/versions/{version}/predict"
+    return "/api/v1/models/{name}/predict"
+
+
+# Its sampled requests' spans; both ways in (the lean app, Django's view) come through answer().
+DOOR = spans.HttpDoor(_route_of, lambda url: ("POST", _path_of(url)))
 
 
 def _path_of(url: PredictURL) -> str:
