@@ -9,7 +9,8 @@ write under a lock), ~25 us for the eight a request makes, which is ~10 % of a w
 Several server processes: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory, wiped when
 the server starts) for every process; a scrape of any of them then sums all of them. Agent
 metrics (queue depth, in flight, batch sizes, load times, memory, GPU) come from the agents'
-latest heartbeats in the database, read at scrape time, so every process reports the same.
+latest heartbeats in the database, read at scrape time, so every process reports the same; so
+do the models' SLO objectives and the tenants' budgets (``PlatformCollector``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from fleet.nodes import live_sessions
+from monitoring.budgets import budget_figures
+from monitoring.prometheus_rules import model_objectives
 from registry.models import ModelVersion
 from serving_agent.protocol import BATCH_SIZE_BOUNDS
 
@@ -103,6 +106,15 @@ TOKENS = Counter(
     "Tokens generated and streamed to clients.",
     ["tenant", "model", "version"],
 )
+COLD_START_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+COLD_START_WAIT = Histogram(
+    "switchyard_cold_start_wait_seconds",
+    "Requests a cold start held (a deployed version with no ready replica), by how the hold "
+    "ended: ready (a replica became ready), timed_out (refused with 503 past the hold) or "
+    "abandoned (the client left first).",
+    ["tenant", "model", "version", "outcome"],
+    buckets=COLD_START_BUCKETS_S,
+)
 
 DISPATCHED = Counter(
     "switchyard_gateway_dispatched",
@@ -138,16 +150,27 @@ GRAPH_NODE_ERRORS = Counter(
 PREDLOG_RECORDS = Counter(
     "switchyard_prediction_log_records",
     "Sampled predictions by what became of them: written, or dropped and why: "
-    "dropped_buffer_full (offered while the buffer was full, a database stalled for longer "
+    "dropped_buffer_full (offered while the buffer was full, a storage stalled for longer "
     "than the buffer lasts), dropped_unrecordable (tensors the writer cannot describe), "
-    "dropped_rejected (a row the database refused on its own, written alone), "
+    "dropped_rejected (rows the storage refused, not for a stall), "
     "dropped_at_shutdown (still unwritten when the process stopped).",
     ["outcome"],
 )
 PREDLOG_RETRIES = Counter(
     "switchyard_prediction_log_write_retries",
-    "Prediction-log batches the database did not take (down, locked, timed out): each stays "
+    "Prediction-log batches the storage did not take (down, stalled, timed out): each stays "
     "in the buffer and is written again after a backoff.",
+)
+GENLOG_RECORDS = Counter(
+    "switchyard_generation_log_records",
+    "Sampled generations by what became of them: written, or dropped and why (as "
+    "switchyard_prediction_log_records).",
+    ["outcome"],
+)
+GENLOG_RETRIES = Counter(
+    "switchyard_generation_log_write_retries",
+    "Generation-log batches the storage did not take: each stays in the buffer and is written "
+    "again after a backoff.",
 )
 
 
@@ -437,6 +460,52 @@ class FleetCollector:
         yield from (batch, dropped, load, gpu_util, gpu_used, gpu_total)
 
 
+class PlatformCollector:
+    """What the database holds that dashboards and alert rules join against, read when
+    scraped: each model's SLO objectives (``monitoring.prometheus_rules``) and each tenant's
+    monthly budget."""
+
+    def collect(self) -> Iterator[Metric]:
+        objective = GaugeMetricFamily(
+            "switchyard_slo_objective",
+            "Each model's SLO objectives (Model.slo_*): the share of requests to answer without "
+            "a server error (sli=availability) or within the latency threshold (sli=latency; "
+            "le: the largest latency bucket wholly within it, as the rules count fast requests).",
+            labels=["tenant", "model", "sli", "le"],
+        )
+        for row in model_objectives():
+            objective.add_metric([row.tenant, row.model, "availability", ""], row.availability)
+            le = fast_bucket_le(row.latency_ms)
+            objective.add_metric([row.tenant, row.model, "latency", le], row.latency_target)
+        labels = ["tenant", "currency"]
+        limit = GaugeMetricFamily(
+            "switchyard_tenant_budget_limit", "A tenant's monthly budget.", labels=labels
+        )
+        spent = GaugeMetricFamily(
+            "switchyard_tenant_budget_spent",
+            "What a tenant spent this UTC month, as of the last usage roll-up.",
+            labels=labels,
+        )
+        stopped = GaugeMetricFamily(
+            "switchyard_tenant_budget_stopped",
+            "1 while a tenant's spent budget's hard stop refuses new work (no override).",
+            labels=["tenant"],
+        )
+        for slug, currency, monthly, so_far, refusing in budget_figures():
+            limit.add_metric([slug, currency], monthly)
+            spent.add_metric([slug, currency], so_far)
+            stopped.add_metric([slug], 1.0 if refusing else 0.0)
+        yield from (objective, limit, spent, stopped)
+
+
+def fast_bucket_le(threshold_ms: float) -> str:
+    """The ``le`` of the largest request-latency bucket wholly within the threshold: a request
+    in the bucket that straddles it counts as slow, as ``monitoring.slo`` counts it. The
+    model's validators keep thresholds at or above the smallest bucket (0.5 ms)."""
+    within = [b for b in LATENCY_BUCKETS_S if b * 1000 <= threshold_ms * (1 + 1e-9)]
+    return floatToGoString(float(within[-1] if within else LATENCY_BUCKETS_S[0]))
+
+
 @dataclass
 class AgentRow:
     agent: str
@@ -470,6 +539,7 @@ def fleet_rows() -> list[AgentRow]:
 
 _fleet_registry = CollectorRegistry(auto_describe=False)
 _fleet_registry.register(FleetCollector())
+_fleet_registry.register(PlatformCollector())
 
 
 def exposition() -> bytes:

@@ -256,3 +256,17 @@ def stopped_tenants() -> dict[int, str]:
         Q(override_until__isnull=True) | Q(override_until__lte=now)
     )
     return {b.tenant_id: refusal(b) for b in stopped}
+
+
+def budget_figures() -> list[tuple[str, str, float, float, bool]]:
+    """Every tenant's budget as ``/metrics`` exports it (read at each scrape, one query):
+    (tenant slug, currency, monthly limit, spent this month at the last roll-up, whether new
+    work is refused now)."""
+    now = timezone.now()
+    rows = Budget.objects.order_by("tenant__slug").values_list(
+        "tenant__slug", "currency", "monthly_limit", "spent", "stopped", "override_until"
+    )
+    return [
+        (slug, currency, float(limit), float(spent), stopped and not (until and until > now))
+        for slug, currency, limit, spent, stopped, until in rows
+    ]

@@ -14,6 +14,7 @@ from asgiref.sync import async_to_sync
 from channels.testing import HttpCommunicator
 
 from fleet.models import Deployment, Pool
+from gateway.metrics import COLD_START_WAIT
 from gateway.oip import oip_app
 from gateway.state import GatewayState
 from tests.factories import make_model, make_version
@@ -43,10 +44,17 @@ def state(monkeypatch, settings) -> GatewayState:
     return gateway_state
 
 
+def held(tenant: str, model: str, outcome: str) -> float:
+    """Holds counted in switchyard_cold_start_wait_seconds for version 1 of the model."""
+    child = COLD_START_WAIT.labels(tenant, model, "1", outcome)
+    return sum(b.get() for b in child._buckets)
+
+
 def test_a_held_stream_hears_loading_then_gets_its_tokens(world, state):
     version = make_textgen(make_model(world.a, "writer", task="generator"))
     deployment = deploy(world, version)
     state.cold_start_hold_s = 10
+    before = held(world.a.slug, "writer", "ready")
 
     async def scenario():
         async with socket(world.key_a) as ws:
@@ -61,6 +69,7 @@ def test_a_held_stream_hears_loading_then_gets_its_tokens(world, state):
     assert "".join(f["text"] for f in frames if f["type"] == "token") == "HI"
     deployment.refresh_from_db()
     assert deployment.woken_at is not None
+    assert held(world.a.slug, "writer", "ready") == before + 1
 
 
 def infer(key: str) -> tuple[int, dict, dict, float]:
@@ -85,18 +94,22 @@ def infer(key: str) -> tuple[int, dict, dict, float]:
 
 def test_a_cold_start_past_the_hold_is_told_to_retry(world, state):
     deploy(world, make_version(make_model(world.a, "clf"), small_onnx()))
+    before = held(world.a.slug, "clf", "timed_out")
     status, headers, body, waited = infer(world.key_a)
     assert status == 503 and headers["retry-after"] == "5"
     assert "cold start" in body["error"]
     assert 1.5 <= waited < 5
+    assert held(world.a.slug, "clf", "timed_out") == before + 1
 
 
 def test_a_version_without_a_deployment_is_not_held(world, state):
     make_version(make_model(world.a, "clf"), small_onnx())
+    before = held(world.a.slug, "clf", "timed_out")
     status, _, body, waited = infer(world.key_a)
     assert status == 503 and "no serving agent" in body["error"]
     assert waited < 1.0
     assert not Deployment.objects.exists()
+    assert held(world.a.slug, "clf", "timed_out") == before  # no cold start: nothing held
 
 
 def test_waking_is_not_repeated_for_every_held_request(world, state, monkeypatch):

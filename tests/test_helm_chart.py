@@ -4,6 +4,7 @@ ServiceMonitor, a CRD the schemas lack, is checked structurally) and carry the v
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,12 @@ VALUE_SETS: dict[str, list[str]] = {
         "--set", "serviceMonitor.enabled=true",
         "--set", "serviceMonitor.labels.release=prom",
         "--set", "image.agentCuda.tag=2.0-cuda12",
+    ],
+    "observability": [
+        "--set", "prometheusRule.enabled=true",
+        "--set", "prometheusRule.labels.release=prom",
+        "--set", "grafanaDashboards.folder=ML platform",
+        "--set", "grafanaDashboards.namespace=monitoring",
     ],
     "scaled": [
         "--set", "web.replicas=5",
@@ -85,7 +92,7 @@ def test_rendered_objects_validate(rendered: dict[str, list[dict[str, Any]]], na
     docs = rendered[name]
     assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Job", "ConfigMap", "Role"}
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
+        if doc["kind"] in ("ServiceMonitor", "PrometheusRule"):  # CRDs: checked below
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -196,3 +203,57 @@ def test_the_web_pods_believe_forwarded_addresses_only_from_the_proxies_named() 
         timeout=60,
     )
     assert refused.returncode != 0 and "not *" in refused.stderr
+
+
+def _dashboards(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        d["metadata"]["name"]: d
+        for d in docs
+        if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]
+    }
+
+
+def test_dashboards_ship_as_configmaps_the_grafana_sidecar_loads(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    shipped = {
+        p.name: p.read_text() for p in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json")
+    }
+    assert len(shipped) == 5
+    configmaps = _dashboards(rendered["defaults"])
+    assert set(configmaps) == {
+        f"rel-switchyard-dashboard-{n.removesuffix('.json')}" for n in shipped
+    }
+    for configmap in configmaps.values():
+        assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert configmap["metadata"]["annotations"] == {"grafana_folder": "Switchyard"}
+        assert "namespace" not in configmap["metadata"]  # the release's
+        ((name, text),) = configmap["data"].items()
+        assert json.loads(text) == json.loads(shipped[name])
+    elsewhere = _dashboards(rendered["observability"])
+    assert {c["metadata"]["namespace"] for c in elsewhere.values()} == {"monitoring"}
+    assert {c["metadata"]["annotations"]["grafana_folder"] for c in elsewhere.values()} == {
+        "ML platform"
+    }
+    assert not _dashboards(_render(["--set", "grafanaDashboards.enabled=false"]))
+
+
+def test_the_prometheus_rule_holds_the_generated_rules(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    assert "PrometheusRule" not in {d["kind"] for d in rendered["defaults"]}  # needs the CRD
+    rule = _get(rendered["observability"], "PrometheusRule", "-switchyard")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    generated = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"] == generated
+    alerts = {r.get("alert") for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "SwitchyardErrorBudgetBurnFast" in alerts
+    # Prometheus's own templates survive helm untouched (helm does not render the file).
+    annotations = [
+        r["annotations"]["summary"]
+        for g in rule["spec"]["groups"]
+        for r in g["rules"]
+        if "BudgetBurn" in r.get("alert", "")
+    ]
+    assert len(annotations) == 4 and all("{{ $labels." in a for a in annotations)
