@@ -89,13 +89,14 @@ live = AgentSession.objects.filter(disconnected_at__isnull=True)
 print(sum(1 for ready in live.values_list('ready_versions', flat=True) if served in ready))
 """
 COUNT_LOGS = (
-    "from monitoring.models import PredictionLog; "
-    "print(PredictionLog.objects.filter(model__name='fraud-logged').count())"
+    "from registry.models import Model; "
+    "from monitoring.quality import logged_predictions; "
+    "print(logged_predictions(Model.objects.get(name='fraud-logged')).count())"
 )
 
 
 def logs(config: str) -> bool:
-    """Whether the configuration has the prediction log on (its writer uses the database)."""
+    """Whether the configuration has the prediction log on (its writer writes Parquet files)."""
     return CONFIGS[config]["SWITCHYARD_PREDICTION_LOG"] == "1"
 
 

@@ -69,25 +69,13 @@ for path in sorted(Path({folder!r}).glob("*.onnx")):
     )
     create_version(model, path.read_bytes())
 """
-# Bulk rows, as the log writer and the feedback API would leave them, spread over the versions.
+# Bulk rows, as the feedback API would leave them (the prediction log itself is Parquet files
+# since 2026-12-08, backed up as files: docs/operations.md): one label per drilled request.
 FILL = """
-INSERT INTO gateway_predictionlog
-    (tenant_id, model_id, version_id, arm, request_id, trace_id, inputs, outputs, scores,
-     latency_ms, status, created_at)
-SELECT v.tenant_id, v.model_id, v.id, 'stable', 'drill-' || g, md5(g::text),
-       jsonb_build_object('x[0]', jsonb_build_array(random()), 'x[1]', jsonb_build_array(g)),
-       jsonb_build_object('y', jsonb_build_array(jsonb_build_array(random(), random()))),
-       jsonb_build_array(random()), random() * 10, 200, now() - g * interval '1 second'
-FROM generate_series(1, %(rows)s) AS g
-JOIN (SELECT mv.id, m.tenant_id, mv.model_id,
-             row_number() OVER (ORDER BY mv.id) - 1 AS n, count(*) OVER () AS total
-      FROM registry_modelversion mv JOIN registry_model m ON m.id = mv.model_id) AS v
-  ON v.n = g %% v.total
-"""
-FEEDBACK = """
 INSERT INTO gateway_feedback (tenant_id, request_id, label, received_at)
-SELECT tenant_id, request_id, to_jsonb(1), now()
-FROM gateway_predictionlog WHERE request_id LIKE 'drill-%' AND random() < 0.1
+SELECT (SELECT id FROM tenants_tenant WHERE slug = 'drill'), 'drill-' || g, to_jsonb(g %% 2),
+       now() - g * interval '1 second'
+FROM generate_series(1, %(rows)s) AS g
 """
 
 
@@ -153,7 +141,6 @@ def fill(backend: Backend, tmp: Path, log_rows: int) -> str:
     backend.shell(CREATE_VERSIONS.format(folder=str(folder)))
     with psycopg.connect(backend.env["DATABASE_URL"]) as conn:
         conn.execute(FILL, {"rows": log_rows})
-        conn.execute(FEEDBACK)
     return key
 
 
@@ -238,7 +225,7 @@ def drill(log_rows: int, jobs: int) -> tuple[Clock, dict[str, object]]:
             facts.update(
                 tables=len(before_rows),
                 rows=sum(before_rows.values()),
-                log_rows=before_rows.get("gateway_predictionlog", 0),
+                log_rows=before_rows.get("gateway_feedback", 0),
                 rows_match=before_rows == after_rows,
                 differing={
                     t: (n, after_rows.get(t))
@@ -357,7 +344,7 @@ def main() -> int:
     today = datetime.date.today().isoformat()
     print(
         f"Recorded {today} on {platform.node()} ({os.cpu_count()} CPUs): {facts['tables']} "
-        f"tables, {facts['rows']:,} rows ({facts['log_rows']:,} prediction-log rows), "
+        f"tables, {facts['rows']:,} rows ({facts['log_rows']:,} feedback rows), "
         f"{facts['artifacts']} artifacts; backup {facts['database_mb']} MB of database dump "
         f"(directory format, compressed) + {facts['artifacts_mb']} MB of artifacts.\n"
     )

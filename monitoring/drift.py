@@ -18,6 +18,11 @@ Measures, per feature and on the output scores:
 A feature is categorical when its reference values are strings or booleans, or numbers with at
 most ``CATEGORICAL_MAX_DISTINCT`` distinct values (codes, flags, small counts): deciles of such a
 feature collapse into a few uneven bins, while categories compare them exactly.
+
+The window comes from the Parquet log through DuckDB: numeric features and the scores are typed
+columns, read as numpy arrays and compared without a Python object per value (a million rows in
+well under the 5 s bench/README.md sets); only the features logged as JSON (text, booleans) are
+parsed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.utils import timezone
@@ -38,7 +46,9 @@ from registry.reference import MAX_ROWS, MIN_ROWS, save_reference, value_type
 from tenants.audit import Actor
 
 from .alerts import raise_alert, resolve_alert
-from .models import AlertKind, DriftReport, PredictionLog
+from .logstore import log_store, quote, scalar, view_columns
+from .models import AlertKind, DriftReport
+from .prediction_log import FEATURE, PREDICTIONS
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,8 @@ MAX_CATEGORIES = 30  # the reference's most frequent categories; the rest share 
 UNSEEN = "(unseen)"
 OTHER = "(other)"
 SCORE = "score"
+# The drift job reads up to this many of a window's newest rows (a reference keeps MAX_ROWS).
+WINDOW_MAX_ROWS = 1_000_000
 
 
 class _Missing:
@@ -59,6 +71,35 @@ class _Missing:
 
 
 MISSING = _Missing()
+
+
+@dataclass
+class NumericColumn:
+    """A typed column of the window: a float per row (NaN for null) and where the request
+    lacked the feature."""
+
+    values: np.ndarray
+    missing: np.ndarray  # bool per row
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def as_list(self, keep: np.ndarray | None = None) -> list[Any]:
+        """The values as the JSON form has them: floats, None for null, MISSING."""
+        values, missing = self.values, self.missing
+        if keep is not None:
+            values, missing = values[keep], missing[keep]
+        out: list[Any] = [None if v != v else v for v in values.tolist()]
+        for i in np.flatnonzero(missing):
+            out[i] = MISSING
+        return out
+
+
+Column = list[Any] | NumericColumn
+
+
+def as_list(column: Column) -> list[Any]:
+    return column.as_list() if isinstance(column, NumericColumn) else column
 
 
 # The measures ---------------------------------------------------------------------------------
@@ -155,10 +196,12 @@ def profile(values: list[Any]) -> Profile | None:
     return Profile("categorical", vtype, [category(v) for v in valid])
 
 
-def split_window(values: list[Any], ref: Profile) -> tuple[list[Any], dict[str, int]]:
+def split_window(values: Column, ref: Profile) -> tuple[Any, dict[str, int]]:
     """The window's valid values of one feature and its quality counts: nulls, out of range
     (outside the reference's [min, max], or a category the reference never had) and schema
     violations (the feature missing from a request, or a value of another type)."""
+    if isinstance(values, NumericColumn):
+        return _split_numeric(values, ref)
     valid, nulls, schema = [], 0, 0
     for value in values:
         vtype = None if value is MISSING else value_type(value)
@@ -177,7 +220,40 @@ def split_window(values: list[Any], ref: Profile) -> tuple[list[Any], dict[str, 
     return valid, {"nulls": nulls, "out_of_range": out, "schema": schema}
 
 
-def compare(ref: Profile, valid: list[Any], threshold: float) -> dict[str, Any]:
+def _split_numeric(column: NumericColumn, ref: Profile) -> tuple[Any, dict[str, int]]:
+    """``split_window`` of a typed column, in numpy."""
+    present = ~column.missing
+    null = present & np.isnan(column.values)
+    numbers = present & ~null
+    if ref.type != "number":  # numbers where the reference has text or booleans
+        counts = {"nulls": int(null.sum()), "out_of_range": 0, "schema": int(column.missing.sum())}
+        counts["schema"] += int(numbers.sum())
+        return [], counts
+    valid = column.values[numbers]
+    if ref.kind == "numeric":
+        out = int(np.count_nonzero((valid < ref.low) | (valid > ref.high)))
+    else:
+        seen = set(ref.values)
+        distinct, counts_of = np.unique(valid, return_counts=True)
+        out = int(
+            sum(c for v, c in zip(distinct, counts_of, strict=True) if category(v) not in seen)
+        )
+    counts = {"nulls": int(null.sum()), "out_of_range": out, "schema": int(column.missing.sum())}
+    return valid, counts
+
+
+def _labels(valid: Any) -> list[str] | Counter[str]:
+    """Category labels of valid values: a count per label for a numpy array."""
+    if isinstance(valid, np.ndarray):
+        distinct, counts = np.unique(valid, return_counts=True)
+        labels: Counter[str] = Counter()
+        for value, count in zip(distinct.tolist(), counts.tolist(), strict=True):
+            labels[category(value)] += count
+        return labels
+    return [category(v) for v in valid]
+
+
+def compare(ref: Profile, valid: Any, threshold: float) -> dict[str, Any]:
     """One feature's (or the scores') entry of a report: distances and chart histograms."""
     entry: dict[str, Any] = {"kind": ref.kind, "values": len(valid)}
     if len(valid) < MIN_ROWS:
@@ -191,7 +267,7 @@ def compare(ref: Profile, valid: list[Any], threshold: float) -> dict[str, Any]:
     else:
         from scipy.spatial.distance import jensenshannon  # see ks()
 
-        names, r, c = category_shares(ref.labels, [category(v) for v in valid])
+        names, r, c = category_shares(ref.labels, _labels(valid))
         entry |= {"distance": float(jensenshannon(r, c, base=2)), "categories": names}
     value = psi_of_shares(r, c)
     return entry | {
@@ -203,7 +279,7 @@ def compare(ref: Profile, valid: list[Any], threshold: float) -> dict[str, Any]:
 
 
 def category_shares(
-    reference: list[str], current: list[str]
+    reference: list[str], current: list[str] | Counter[str]
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Shares over the reference's categories (most frequent first, the tail as "(other)"),
     with current values the reference never had as "(unseen)"."""
@@ -212,13 +288,14 @@ def category_shares(
     names = kept + [OTHER] if len(counts) > len(kept) else kept
     index = {name: i for i, name in enumerate(kept)}
 
-    def shares(labels: list[str]) -> np.ndarray:
+    def shares(labels: list[str] | Counter[str]) -> np.ndarray:
         bucket = np.zeros(len(names) + 1)  # the last slot is "(unseen)"
-        for label in labels:
+        tally = labels if isinstance(labels, Counter) else Counter(labels)
+        for label, n in tally.items():
             # A seen label outside the kept ones can only exist when "(other)" does.
             slot = index.get(label, len(kept) if label in counts else len(names))
-            bucket[slot] += 1
-        return bucket / max(len(labels), 1)
+            bucket[slot] += n
+        return bucket / max(sum(tally.values()), 1)
 
     r, c = shares(reference), shares(current)
     if c[-1] > 0:
@@ -233,71 +310,127 @@ def category_shares(
 class Window:
     """Logged predictions as columns (``MISSING`` where a request lacked a feature)."""
 
-    columns: dict[str, list[Any]]
-    scores: list[Any]
+    columns: dict[str, Column]
+    scores: Column
     rows: int
 
 
 def read_window(version_id: int, start: datetime, end: datetime, limit: int = MAX_ROWS) -> Window:
-    """The version's successful logged predictions in (start, end], newest first up to
-    ``limit`` rows."""
-    logs = (
-        PredictionLog.objects.filter(
-            version_id=version_id, status=200, created_at__gt=start, created_at__lte=end
-        )
-        .order_by("-created_at")
-        .values_list("inputs", "scores")
+    """The version's successful logged predictions in (start, end], its newest requests up to
+    ``limit`` rows (the request that crosses it included), newest first."""
+    owner = (
+        ModelVersion.objects.filter(pk=version_id)
+        .values_list("model__tenant_id", "model_id")
+        .first()
     )
-    batches, scores, rows = [], [], 0
-    for inputs, logged_scores in logs.iterator(chunk_size=500):
-        inputs = inputs if isinstance(inputs, dict) else {}
-        lengths = [len(col) for col in inputs.values() if isinstance(col, list)]
-        n = max(lengths, default=len(logged_scores) if isinstance(logged_scores, list) else 0)
-        if n == 0:
+    if owner is None:
+        return Window({}, [], 0)
+    store = log_store()
+    files = store.files(PREDICTIONS, owner[0], [owner[1]], start, end)
+    where = f"version_id = {int(version_id)} AND status = 200 AND rows > 0"
+    where += " AND created_at > ? AND created_at <= ?"
+    params: list[Any] = [start, end]
+    with store.connect(PREDICTIONS, files) as con:
+        names = view_columns(con)
+        total = scalar(con, f"SELECT sum(rows) FROM log WHERE {where}", params)
+        if total and total > limit:
+            # The oldest request kept: the newest ones before it hold fewer than limit rows.
+            cutoff = scalar(
+                con,
+                "SELECT min(created_at) FROM (SELECT created_at, sum(rows) OVER (ORDER BY "
+                "created_at DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS newer "
+                f"FROM log WHERE {where}) WHERE coalesce(newer, 0) < ?",
+                [*params, limit],
+            )
+            where += " AND created_at >= ?"
+            params.append(cutoff or end)
+        features = [n for n in names if n.startswith(FEATURE)]
+        selected = ", ".join(quote(n) for n in ["rows", "scores", "inputs", *features])
+        table = con.sql(
+            f"SELECT {selected} FROM log WHERE {where} ORDER BY created_at DESC", params=params
+        ).to_arrow_table()
+    return _window_of(table, features)
+
+
+def _window_of(table: pa.Table, features: list[str]) -> Window:
+    rows = table["rows"].to_numpy().astype(np.int64)
+    total = int(rows.sum())
+    columns: dict[str, Column] = {
+        name[len(FEATURE) :]: _typed(table[name], rows, total, missing_as_null=False)
+        for name in features
+    }
+    for i, text in enumerate(table["inputs"].to_pylist()):
+        if not text:
             continue
-        batches.append((inputs, n))
-        # One score per row, null where the log has none, so scores stay aligned with rows.
-        logged_scores = logged_scores[:n] if isinstance(logged_scores, list) else []
-        scores.extend(logged_scores + [None] * (n - len(logged_scores)))
-        rows += n
-        if rows >= limit:
-            break
-    names = sorted({name for inputs, _ in batches for name in inputs})
-    columns: dict[str, list[Any]] = {name: [] for name in names}
-    for inputs, n in batches:
-        for name in names:
-            col = inputs.get(name)
-            col = col[:n] if isinstance(col, list) else []
-            columns[name].extend(col + [MISSING] * (n - len(col)))
-    return Window(columns, scores, rows)
+        at, n = int(rows[:i].sum()), int(rows[i])
+        for name, values in orjson.loads(text).items():
+            column = columns.get(name)
+            if isinstance(column, NumericColumn):
+                column = columns[name] = column.as_list()
+            if column is None:
+                column = columns[name] = [MISSING] * total
+            own = values[:n] if isinstance(values, list) else []
+            column[at : at + n] = own + [MISSING] * (n - len(own))
+    # A request of several regression targets (or none) logs no scores: null on its rows.
+    scores = _typed(table["scores"], rows, total, missing_as_null=True)
+    return Window(columns, scores, total)
+
+
+def _typed(
+    column: pa.ChunkedArray, rows: np.ndarray, total: int, *, missing_as_null: bool
+) -> NumericColumn:
+    """A list column of one value per row of each request as one value per row of the
+    window: a request that lacks the column (null) gives MISSING rows, or null ones with
+    ``missing_as_null``; a list of another length than the request's rows is cut or padded."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy().astype(np.int64)
+    present = array.is_valid().to_numpy(zero_copy_only=False)
+    whole = present & (lengths == rows)
+    values = np.full(total, np.nan)
+    on_rows = np.repeat(whole, rows)
+    flat = pc.list_flatten(array.filter(pa.array(whole)))
+    values[on_rows] = flat.to_numpy(zero_copy_only=False).astype(np.float64)
+    missing = ~on_rows
+    starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    # Rare: a list cut or padded, as the JSON log was.
+    for i in np.flatnonzero(present & ~whole & (lengths > 0)):
+        own = array[int(i)].as_py()[: rows[i]]
+        start = int(starts[i])
+        values[start : start + len(own)] = [np.nan if v is None else v for v in own]
+        missing[start : start + len(own)] = False
+    if missing_as_null:
+        missing[:] = False
+    return NumericColumn(values, missing)
 
 
 # Reports --------------------------------------------------------------------------------------
 
 
 def compare_columns(
-    reference: dict[str, list[Any]], window: Window, threshold: float
+    reference: dict[str, Column], window: Window, threshold: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-feature report entries and quality counts; a feature the reference lacks is a
     schema violation on every row that carries a value for it."""
     features, quality = {}, {}
     for name, values in reference.items():
-        ref = profile(values)
+        ref = profile(as_list(values))
         if ref is None:
             continue
         current = window.columns.get(name, [MISSING] * window.rows)
         valid, quality[name] = split_window(current, ref)
         features[name] = compare(ref, valid, threshold)
     for name in window.columns.keys() - reference.keys():
-        present = sum(v is not MISSING for v in window.columns[name])
+        column = window.columns[name]
+        if isinstance(column, NumericColumn):
+            present = int((~column.missing).sum())
+        else:
+            present = sum(v is not MISSING for v in column)
         quality[name] = {"nulls": 0, "out_of_range": 0, "schema": present}
     return features, quality
 
 
-def compare_scores(
-    reference: list[Any], current: list[Any], threshold: float
-) -> dict[str, Any] | None:
-    ref = profile(reference)
+def compare_scores(reference: Column, current: Column, threshold: float) -> dict[str, Any] | None:
+    ref = profile(as_list(reference))
     if ref is None or len(ref.values) < MIN_ROWS:
         return None
     valid, _ = split_window(current, ref)
@@ -317,7 +450,7 @@ def detect_drift(version: ModelVersion, now: datetime | None = None) -> DriftRep
     if reference is None or reference.rows < MIN_ROWS:
         return None
     start = now - timedelta(minutes=model.drift_window_minutes)
-    window = read_window(version.pk, start, now)
+    window = read_window(version.pk, start, now, limit=WINDOW_MAX_ROWS)
     if window.rows < MIN_ROWS:
         return None
     threshold = model.drift_threshold
@@ -386,10 +519,9 @@ def detect_all(now: datetime | None = None) -> dict[str, int]:
     counts = {"versions": 0, "reports": 0, "flagged": 0, "failed": 0}
     for model in Model.objects.filter(versions__reference__isnull=False).distinct():
         since = now - timedelta(minutes=model.drift_window_minutes)
-        logged = PredictionLog.objects.filter(
-            model=model, status=200, created_at__gt=since, created_at__lte=now
-        ).values("version_id")
-        versions = model.versions.filter(pk__in=logged, reference__isnull=False)
+        versions = model.versions.filter(
+            pk__in=logged_versions(model, since, now), reference__isnull=False
+        )
         for version in versions.select_related("model"):
             counts["versions"] += 1
             try:
@@ -403,6 +535,32 @@ def detect_all(now: datetime | None = None) -> dict[str, int]:
                 counts["reports"] += 1
                 counts["flagged"] += bool(report.flagged)
     return counts
+
+
+def logged_versions(model: Model, start: datetime, end: datetime | None = None) -> list[int]:
+    """Ids of the model's versions with successful requests logged in (start, end]."""
+    store = log_store()
+    files = store.files(PREDICTIONS, model.tenant_id, [model.pk], start, end)
+    where, params = "status = 200 AND created_at > ?", [start]
+    if end is not None:
+        where += " AND created_at <= ?"
+        params.append(end)
+    found = store.query(
+        PREDICTIONS, files, f"SELECT DISTINCT version_id FROM log WHERE {where}", params
+    )
+    return found["version_id"].to_pylist()
+
+
+def has_logs(version: ModelVersion) -> bool:
+    """Whether any request of the version is in the log (one query: the files' row-group
+    statistics on ``version_id`` let DuckDB skip what cannot match)."""
+    store = log_store()
+    model = version.model
+    files = store.files(PREDICTIONS, model.tenant_id, [model.pk])
+    found = store.query(
+        PREDICTIONS, files, f"SELECT 1 FROM log WHERE version_id = {int(version.pk)} LIMIT 1"
+    )
+    return found.num_rows > 0
 
 
 def purge_reports(now: datetime | None = None) -> int:
@@ -505,13 +663,19 @@ def set_reference_window(
         )
     keep = np.linspace(0, window.rows - 1, min(window.rows, MAX_ROWS)).round().astype(int)
     columns = {
-        name: [None if values[i] is MISSING else values[i] for i in keep]
+        name: [None if v is MISSING else v for v in _pick(values, keep)]
         for name, values in window.columns.items()
     }
-    scores = [window.scores[i] for i in keep]
+    scores = [None if v is MISSING else v for v in _pick(window.scores, keep)]
     if all(s is None for s in scores):
         scores = []
     return save_reference(version, actor, "window", columns, scores, len(keep), start, end)
+
+
+def _pick(column: Column, keep: np.ndarray) -> list[Any]:
+    if isinstance(column, NumericColumn):
+        return column.as_list(keep)
+    return [column[i] for i in keep]
 
 
 def reference_summary(sample: ReferenceSample) -> dict[str, dict[str, Any]]:

@@ -58,43 +58,6 @@ class TrafficSample(models.Model):
         return f"v{self.version_id} @ {self.window_end:%H:%M:%S}: {self.requests} req"
 
 
-class PredictionLog(models.Model):
-    """One sampled prediction: what went in and came out, as logged (personal data redacted).
-
-    ``inputs`` holds columns: {feature or input name: [value per row]}; ``scores`` one number
-    per row (a classifier's positive-class probability or a regressor's value) for drift on the
-    scores and online quality. Written in batches off the request path by each
-    gateway process (``gateway.predlog``); the format is ``monitoring.prediction_log``'s.
-    """
-
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
-    model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="+")
-    version = models.ForeignKey(
-        "registry.ModelVersion", on_delete=models.CASCADE, related_name="prediction_logs"
-    )
-    arm = models.CharField(max_length=50, blank=True)
-    request_id = models.CharField(max_length=128)
-    trace_id = models.CharField(max_length=32, blank=True)
-    inputs = models.JSONField(default=dict)
-    outputs = models.JSONField(default=dict)
-    scores = models.JSONField(default=list)
-    latency_ms = models.FloatField()
-    status = models.PositiveSmallIntegerField()
-    created_at = models.DateTimeField(db_index=True)
-
-    class Meta:
-        db_table = "gateway_predictionlog"  # made by the gateway app, moved here with its rows
-        ordering = ["-created_at"]
-        indexes = [
-            models.Index(fields=["version", "created_at"], name="predlog_version_time"),
-            models.Index(fields=["tenant", "request_id"], name="predlog_tenant_request"),
-            models.Index(fields=["model", "created_at"], name="predlog_model_time"),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.request_id} v{self.version_id} {self.status}"
-
-
 class Feedback(models.Model):
     """A ground-truth label for a prediction, by request id; it may arrive before or long after
     the prediction's log row, and is joined to it when quality is computed. Sent again, the

@@ -27,8 +27,16 @@ def evaluate_slos() -> dict[int, dict[str, str | None]]:
 
 @shared_task
 def purge_prediction_logs() -> dict[str, int]:
-    """Housekeeping: each model's logged predictions past its retention, and old feedback."""
+    """Housekeeping: each model's hour partitions of the log past its retention, and old
+    feedback."""
     return prediction_log.purge_expired_logs()
+
+
+@shared_task
+def compact_prediction_logs() -> int:
+    """Housekeeping: merge each closed hour's small log files (one per flush of each gateway
+    process) into one file."""
+    return prediction_log.compact_closed_hours()
 
 
 @shared_task

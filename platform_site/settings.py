@@ -264,6 +264,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "monitoring.tasks.purge_prediction_logs",
         "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
     },
+    "compact-prediction-logs": {
+        "task": "monitoring.tasks.compact_prediction_logs",
+        "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
+    },
     "purge-idempotency-records": {
         "task": "tenants.tasks.purge_idempotency_records",
         "schedule": SWITCHYARD_RETENTION_INTERVAL_S,
@@ -537,9 +541,17 @@ SWITCHYARD_DB_STATEMENT_TIMEOUT_MS = env_int("SWITCHYARD_DB_STATEMENT_TIMEOUT_MS
 SWITCHYARD_COLD_START_HOLD_S = env_float("SWITCHYARD_COLD_START_HOLD_S", 30)
 # Prediction log: sampled records wait in a bounded buffer per process (past it they are dropped
 # and counted) and are written in batches by a background thread.
-SWITCHYARD_PREDLOG_BUFFER = env_int("SWITCHYARD_PREDLOG_BUFFER", 10_000)
-SWITCHYARD_PREDLOG_BATCH = env_int("SWITCHYARD_PREDLOG_BATCH", 500)
-SWITCHYARD_PREDLOG_FLUSH_S = env_float("SWITCHYARD_PREDLOG_FLUSH_S", 1)
+# Each flush writes one Parquet file per tenant, model and hour (monitoring.logstore): every
+# FLUSH_S seconds, or sooner once BATCH requests wait. A storage that stalls keeps them buffered.
+SWITCHYARD_PREDLOG_BUFFER = env_int("SWITCHYARD_PREDLOG_BUFFER", 50_000)
+SWITCHYARD_PREDLOG_BATCH = env_int("SWITCHYARD_PREDLOG_BATCH", 5_000)
+SWITCHYARD_PREDLOG_FLUSH_S = env_float("SWITCHYARD_PREDLOG_FLUSH_S", 2)
+# Where the log datasets live: a directory with local storage (default MEDIA_ROOT/logs), the key
+# prefix in SWITCHYARD_S3_BUCKET with SWITCHYARD_STORAGE=s3 (default "logs"). An S3 connection
+# not made this long fails, as does a read on Windows and macOS (Linux: the AWS SDK's ~3 s); the
+# writer then retries its batch.
+SWITCHYARD_LOG_ROOT = env("SWITCHYARD_LOG_ROOT", "")
+SWITCHYARD_LOG_S3_TIMEOUT_S = env_float("SWITCHYARD_LOG_S3_TIMEOUT_S", 3)
 # Off turns the prediction log off in this process whatever the models' sampling (shedding load
 # off a struggling database; the benchmark's baseline).
 SWITCHYARD_PREDICTION_LOG = env_bool("SWITCHYARD_PREDICTION_LOG", True)

@@ -131,6 +131,18 @@ def _gateway_db_calls_on_the_test_thread(request):
     settings.SWITCHYARD_DB_THREADS = threads
 
 
+@pytest.fixture(autouse=True)
+def _own_log_store(tmp_path_factory):
+    """Each test logs predictions to a directory of its own (the Parquet log lives outside the
+    database, so the test's transaction does not undo it)."""
+    from django.conf import settings
+
+    kept = settings.SWITCHYARD_LOG_ROOT
+    settings.SWITCHYARD_LOG_ROOT = str(tmp_path_factory.mktemp("logs"))
+    yield
+    settings.SWITCHYARD_LOG_ROOT = kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _fast_password_hashing():
     """Tests make many users (members, approvers, every test key's owner): PBKDF2's 1,000,000

@@ -113,3 +113,61 @@ def key_client(key: str) -> APIClient:
     client.default_format = "json"
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
     return client
+
+
+def make_log(
+    version: ModelVersion,
+    request_id: str = "",
+    *,
+    inputs: dict[str, Any] | None = None,
+    outputs: dict[str, Any] | None = None,
+    scores: list[Any] | None = None,
+    arm: str = "",
+    status: int = 200,
+    at: Any = None,
+    latency_ms: float = 2.0,
+    trace_id: str = "",
+) -> dict[str, Any]:
+    """A logged request of ``version``, written to the Parquet log now (one file)."""
+    import uuid
+
+    from django.utils import timezone
+
+    from monitoring.prediction_log import write_records
+
+    record = {
+        "tenant_id": version.model.tenant_id,
+        "model_id": version.model_id,
+        "version_id": version.pk,
+        "arm": arm,
+        "request_id": request_id or uuid.uuid4().hex,
+        "trace_id": trace_id,
+        "inputs": inputs or {},
+        "outputs": outputs or {},
+        "scores": scores or [],
+        "latency_ms": latency_ms,
+        "status": status,
+        "created_at": at or timezone.now(),
+    }
+    write_records([record])
+    return record
+
+
+def logged_rows(tenant_id: int | None = None) -> list[dict[str, Any]]:
+    """Every row of the Parquet log (of one tenant, or of all), oldest first."""
+    from monitoring.logstore import log_store
+    from monitoring.prediction_log import PREDICTIONS, log_rows
+
+    store = log_store()
+    tenants = [tenant_id] if tenant_id is not None else store.tenants(PREDICTIONS)
+    files = [f for t in tenants for f in store.files(PREDICTIONS, t)]
+    table = store.query(PREDICTIONS, files, "SELECT * FROM log ORDER BY created_at, request_id")
+    return log_rows(table)
+
+
+def clear_log() -> None:
+    """Delete every file of the Parquet log (the test's own directory)."""
+    from monitoring.logstore import log_store
+
+    store = log_store()
+    store.fs.delete_dir_contents(store.base, missing_dir_ok=True)

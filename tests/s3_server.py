@@ -64,3 +64,43 @@ def s3_server() -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def s3_server_process() -> Iterator[tuple[S3Server, int]]:
+    """moto's server in a process of its own (so a test may stop it with SIGSTOP: a storage
+    that stalls, not one that refuses); yields the server and its process id."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(endpoint, timeout=1)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto's server did not start") from None
+                time.sleep(0.1)
+        yield S3Server(endpoint), proc.pid
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

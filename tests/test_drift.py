@@ -20,7 +20,7 @@ from scipy.spatial.distance import jensenshannon
 from scipy.stats import ks_2samp
 
 from monitoring import drift
-from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
+from monitoring.models import Alert, DriftReport, TrafficSample
 from monitoring.tasks import detect_drift as detect_drift_task
 from monitoring.traffic import Counts
 from registry.models import ModelVersion, ReferenceSample
@@ -31,7 +31,7 @@ from rollouts.guardrails import evaluate
 from rollouts.models import PlanState
 from tenants.audit import Actor
 from tenants.models import AuditEvent
-from tests.factories import make_model, make_version
+from tests.factories import make_log, make_model, make_version
 from tests.onnx_models import small_onnx
 
 pytestmark = pytest.mark.backends
@@ -60,16 +60,13 @@ def sample(rng, n: int, *, age_mean=40.0, plan_p=(0.6, 0.3, 0.1), score_a=2.0) -
 
 
 def log(version, columns: dict, scores: list, *, at=None, status: int = 200) -> None:
-    PredictionLog.objects.create(
-        tenant_id=version.model.tenant_id,
-        model=version.model,
-        version=version,
-        request_id=uuid.uuid4().hex,
+    make_log(
+        version,
+        uuid.uuid4().hex,
         inputs=columns,
         scores=scores,
-        latency_ms=2.0,
         status=status,
-        created_at=at or timezone.now() - timedelta(minutes=5),
+        at=at or timezone.now() - timedelta(minutes=5),
     )
 
 

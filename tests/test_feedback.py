@@ -10,9 +10,10 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from monitoring.models import Feedback, PredictionLog
+from monitoring.models import Feedback
 from monitoring.quality import auc, online_quality, quality_by_version
 from registry.models import TaskKind
+from tests import factories
 from tests.factories import make_model, make_version
 from tests.onnx_models import small_onnx
 
@@ -42,22 +43,19 @@ def make_log(
     arm: str = "",
     status: int = 200,
     at: datetime | None = None,
-) -> PredictionLog:
+) -> dict:
     """A logged prediction of ``version``; outputs default to binary probabilities."""
     if outputs is None:
         outputs = {"y": [[1 - s, s] for s in scores]}
-    return PredictionLog.objects.create(
-        tenant_id=version.model.tenant_id,
-        model=version.model,
-        version=version,
+    return factories.make_log(
+        version,
+        request_id,
         arm=arm,
-        request_id=request_id,
         inputs={"x[0]": [0.0] * len(scores)},
         outputs=outputs,
         scores=scores,
-        latency_ms=2.0,
         status=status,
-        created_at=at or timezone.now(),
+        at=at or timezone.now(),
     )
 
 
@@ -276,7 +274,7 @@ def hour_ago(hours: int, minutes: int = 5) -> datetime:
 
 def test_binary_accuracy_and_auc_per_version_arm_and_hour(logged):
     Feedback.objects.all().delete()
-    PredictionLog.objects.all().delete()
+    factories.clear_log()
     v1, v2, a = logged.v1, logged.v2, logged.a
     # v1 (baseline), two hours ago: one request of four rows, labels 0 0 1 1: predicted
     # (score ≥ 0.5) 0 0 0 1, so accuracy 3/4; AUC 3/4 (see above).
@@ -344,7 +342,7 @@ def test_binary_accuracy_and_auc_per_version_arm_and_hour(logged):
 
 def test_a_daily_bucket_gathers_the_hours(logged):
     Feedback.objects.all().delete()
-    PredictionLog.objects.all().delete()
+    factories.clear_log()
     today = timezone.now().astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     for i, (score, y) in enumerate([(0.9, 1), (0.1, 1), (0.2, 0)]):
         make_log(logged.v1, f"d{i}", [score], at=today + timedelta(minutes=5 + 60 * i))

@@ -194,25 +194,31 @@ def test_online_quality_worse_than_allowed_rolls_back(base, cand, action):
 
 def log_labelled(plan, version_id: int, n: int, correct: int) -> None:
     """``n`` logged one-row predictions of a version, ``correct`` of them labelled right."""
-    from monitoring.models import Feedback, PredictionLog
+    from monitoring.models import Feedback
+    from monitoring.prediction_log import write_records
 
     now = timezone.now()
     tenant_id = plan.model.tenant_id
+    records = []
     for i in range(n):
         rid = f"v{version_id}-{i}"
-        PredictionLog.objects.create(
-            tenant_id=tenant_id,
-            model=plan.model,
-            version_id=version_id,
-            request_id=rid,
-            scores=[0.9],
-            latency_ms=3.0,
-            status=200,
-            created_at=now,
+        records.append(
+            {
+                "tenant_id": tenant_id,
+                "model_id": plan.model.pk,
+                "version_id": version_id,
+                "request_id": rid,
+                "inputs": {},
+                "scores": [0.9],
+                "latency_ms": 3.0,
+                "status": 200,
+                "created_at": now,
+            }
         )
         Feedback.objects.create(
             tenant_id=tenant_id, request_id=rid, label=1 if i < correct else 0, received_at=now
         )
+    write_records(records)
 
 
 def test_the_guardrails_roll_back_a_candidate_whose_online_accuracy_falls(plan):

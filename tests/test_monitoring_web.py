@@ -15,13 +15,13 @@ from django.utils import timezone
 
 from monitoring import drift
 from monitoring.alerts import raise_alert, resolve_alert
-from monitoring.models import PredictionLog, TrafficSample
+from monitoring.models import TrafficSample
 from monitoring.traffic import Counts
 from registry.models import ReferenceSample
 from rollouts import actions
 from rollouts.models import RolloutPolicy
 from tenants.audit import Actor
-from tests.factories import make_member, make_model, make_tenant, make_version
+from tests.factories import make_log, make_member, make_model, make_tenant, make_version
 from tests.onnx_models import small_onnx
 
 pytestmark = pytest.mark.backends
@@ -76,16 +76,13 @@ def site(world, onnx_bytes, rng):
     )
     now = timezone.now()
     for i in range(8):
-        PredictionLog.objects.create(
-            tenant=world.a,
-            model=model,
-            version=v1,
-            request_id=uuid.uuid4().hex,
+        make_log(
+            v1,
+            uuid.uuid4().hex,
             inputs=columns(rng, 50, 55, [0.5, 0.3, 0.2]),
             scores=rng.beta(2, 5, 50).round(4).tolist(),
             latency_ms=3.0,
-            status=200,
-            created_at=now - timedelta(minutes=20 - i),
+            at=now - timedelta(minutes=20 - i),
         )
     world.reports = [
         drift.detect_drift(v1, now - timedelta(minutes=2)),
@@ -186,7 +183,7 @@ def test_a_reference_without_logged_predictions_says_to_send_traffic(site):
 
 
 def test_predictions_without_a_report_yet_say_when_one_comes(site):
-    PredictionLog.objects.filter(version=site.v1).update(version=site.v2)
+    make_log(site.v2, "one-for-v2", inputs={"age": [50.0]}, scores=[0.3])
     ReferenceSample.objects.create(
         version=site.v2, source="upload", columns={"age": [1.0] * 40}, rows=40
     )

@@ -7,25 +7,26 @@ import dataclasses
 import hashlib
 import hmac
 import random
-import sqlite3
 import time
 from contextlib import contextmanager
 from datetime import timedelta
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet
 import pytest
-from django.db import OperationalError, connection
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from gateway import predlog, tracing
 from gateway.predlog import REDACTED, PredictionLogger, build_record
 from gateway.routes import InputSpec, Route, route_of
-from monitoring.models import Feedback, PredictionLog
-from monitoring.prediction_log import purge_expired_logs
+from monitoring.logstore import LogStore, log_store
+from monitoring.models import Feedback
+from monitoring.prediction_log import PREDICTIONS, log_rows, purge_expired_logs
 from monitoring.tasks import purge_prediction_logs
 from registry.models import TaskKind
-from tests.factories import make_model, make_version
+from tests.factories import logged_rows, make_model, make_version
 
 pytestmark = pytest.mark.backends
 
@@ -112,24 +113,23 @@ def test_the_share_logged_follows_the_sample_rate(rate):
     assert logger.pending == taken
 
 
-@pytest.mark.django_db
-def test_an_offer_only_queues_the_tensors_the_writer_builds_the_record(monkeypatch):
+def test_an_offer_only_queues_the_tensors_the_writer_builds_the_rows(monkeypatch):
     built: list[str] = []
-    original = predlog.build_records
+    original = predlog.build_table
 
     def spy(samples, hash_key):
         built.extend(s.request_id for s in samples)
         return original(samples, hash_key)
 
-    monkeypatch.setattr(predlog, "build_records", spy)
+    monkeypatch.setattr(predlog, "build_table", spy)
     logger = PredictionLogger(autostart=False)
     for i in range(3):
         assert offer(logger, make_route(rate=1.0), request_id=f"r{i}")
     assert offer(logger, make_route(rate=0.0), request_id="unsampled") is False
     assert built == [] and logger.pending == 3  # nothing converted on the request's thread
-    monkeypatch.setattr(predlog, "write_batch", lambda batch: list(batch))
     logger.write_pending()
     assert built == ["r0", "r1", "r2"] and logger.written == 3
+    assert [r["request_id"] for r in logged_rows()] == ["r0", "r1", "r2"]
 
 
 # Records ---------------------------------------------------------------------------------------
@@ -279,106 +279,141 @@ def served(db, world, onnx_bytes):
     return route_of(make_version(model, onnx_bytes))
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_writer_thread_writes_in_batches(world, served, monkeypatch):
+def test_the_writer_thread_writes_a_file_per_partition_per_batch(world, served, monkeypatch):
     sizes: list[int] = []
-    original = predlog.write_batch
+    original = LogStore.put
 
-    def spy(batch):
-        batch = list(batch)  # records come as a generator, built as they are written
-        written = original(batch)
-        # Only this logger's batches, once written: a logger thread left by an earlier test
-        # in this process writes through the same function (it made the sum 12 under load).
-        ours = [r for r in batch if r["request_id"].startswith("req-")]
+    def spy(store, piece, metadata=None):
+        original(store, piece, metadata)
+        ours = [r for r in piece.table["request_id"].to_pylist() if r.startswith("req-")]
         if ours:
             sizes.append(len(ours))
-        return written
 
-    monkeypatch.setattr(predlog, "write_batch", spy)
+    monkeypatch.setattr(LogStore, "put", spy)
     logger = PredictionLogger(capacity=1000, batch_size=4, flush_s=0.05)
     for i in range(10):
         assert offer(logger, served, n=2, request_id=f"req-{i}")
     assert logger.flush(timeout=10)
     assert logger.written == 10 and logger.pending == 0
     assert sum(sizes) == 10 and max(sizes) <= 4
-    rows = PredictionLog.objects.filter(version_id=served.version_id)
-    assert sorted(rows.values_list("request_id", flat=True)) == sorted(
-        f"req-{i}" for i in range(10)
+    rows = logged_rows(world.a.pk)
+    assert sorted(r["request_id"] for r in rows) == sorted(f"req-{i}" for i in range(10))
+    one = next(r for r in rows if r["request_id"] == "req-3")
+    assert (one["tenant_id"], one["model_id"], one["version_id"]) == (
+        world.a.pk,
+        served.model_id,
+        served.version_id,
     )
-    one = rows.get(request_id="req-3")
-    assert one.tenant_id == world.a.pk and one.model_id == served.model_id
-    assert one.inputs == {
+    assert one["inputs"] == {
         "x[0]": [0.0, 4.0],
         "x[1]": [1.0, 5.0],
         "x[2]": [2.0, 6.0],
         "x[3]": [3.0, 7.0],
     }
-    assert one.scores == [pytest.approx(0.2)] * 2
-    assert one.outputs == {"y": [[pytest.approx(0.8), pytest.approx(0.2)]] * 2}
+    assert one["scores"] == [0.2, 0.2]  # float32 read back at its own precision
+    assert one["outputs"] == {"y": [[0.8, 0.2]] * 2}
+    assert one["rows"] == 2
+    # Partitioned by tenant, model and hour; the numeric features typed, not JSON.
+    files = log_store().files(PREDICTIONS, world.a.pk, [served.model_id])
+    assert files and all(f"/tenant={world.a.pk}/model={served.model_id}/hour=" in f for f in files)
+    schema = pa.unify_schemas([pa.parquet.read_schema(f) for f in files])
+    assert schema.field("f.x[0]").type == pa.list_(pa.float32())
+    assert schema.field("o.y").type == pa.list_(pa.list_(pa.float32()))
 
 
-@pytest.mark.django_db(transaction=True)
 def test_the_writer_flushes_on_its_interval_without_being_asked(served):
     logger = PredictionLogger(capacity=1000, batch_size=500, flush_s=0.05)
     offer(logger, served, request_id="lonely")
-    deadline = time.monotonic() + 5
-    while logger.written == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert PredictionLog.objects.filter(request_id="lonely").exists()
+    wait_until(lambda: logger.written == 1, 5)
+    assert [r["request_id"] for r in logged_rows()] == ["lonely"]
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_failing_database_keeps_the_batch_and_writes_it_once_it_answers(served, monkeypatch):
+@contextmanager
+def storage_down(monkeypatch, error: Exception | None = None):
+    """Every write to the log store fails as a storage that does not answer fails (pyarrow's
+    OSError after its request timeout) until the block ends. The real stall, a stopped S3
+    server, is tests/e2e/test_predlog_stall.py's."""
+    original = LogStore.put
+    state = {"down": True, "tries": 0}
+
+    def put(store, piece, metadata=None):
+        if state["down"]:
+            state["tries"] += 1
+            raise error or OSError("AWS Error NETWORK_CONNECTION: request timed out")
+        return original(store, piece, metadata)
+
+    monkeypatch.setattr(LogStore, "put", put)
+    try:
+        yield state
+    finally:
+        state["down"] = False
+
+
+def test_a_failing_storage_keeps_the_batch_and_writes_it_once_it_answers(served, monkeypatch):
     logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
-    failures = {"left": 3}
-    original = predlog.write_batch
-
-    def flaky(batch):
-        if failures["left"]:
-            failures["left"] -= 1
-            raise OperationalError("could not connect to server")
-        return original(batch)
-
-    monkeypatch.setattr(predlog, "write_batch", flaky)
     retries_before = REGISTRY.get_sample_value("switchyard_prediction_log_write_retries_total")
-    for i in range(5):
-        offer(logger, served, request_id=f"kept-{i}")
-    assert logger.flush(timeout=10)
-    assert failures["left"] == 0
+    with storage_down(monkeypatch) as state:
+        for i in range(5):
+            offer(logger, served, request_id=f"kept-{i}")
+        for _ in range(3):
+            assert logger.write_pending() is False
+        assert state["tries"] == 3
+    assert logger.write_pending() is True
     assert logger.retries == 3 and logger.written == 5 and logger.dropped == 0
     after = REGISTRY.get_sample_value("switchyard_prediction_log_write_retries_total")
     assert after - (retries_before or 0) == 3
-    logged = PredictionLog.objects.values_list("request_id", flat=True)
+    logged = [r["request_id"] for r in logged_rows()]
     assert sorted(logged) == [f"kept-{i}" for i in range(5)]  # each once
 
 
-def test_a_database_that_stays_down_keeps_the_batch_in_the_buffer(monkeypatch):
-    def down(batch):
-        raise OperationalError("the database system is starting up")
+def test_a_batch_partly_written_before_a_stall_writes_only_the_rest_under_the_same_names(
+    world, served, onnx_bytes, monkeypatch
+):
+    """Two partitions (two models) in one batch: the first file lands, the second fails; the
+    retry writes the second only, under the name it was given, so no row is written twice."""
+    other = make_model(world.a, "other")
+    second = dataclasses.replace(route_of(make_version(other, onnx_bytes)), log_sample_rate=1.0)
+    logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
+    offer(logger, served, request_id="first")
+    offer(logger, second, request_id="second")
+    original = LogStore.put
+    paths: list[str] = []
 
-    monkeypatch.setattr(predlog, "write_batch", down)
+    def put(store, piece, metadata=None):
+        paths.append(piece.path)
+        if len(paths) == 2:
+            raise OSError("connection reset")
+        return original(store, piece, metadata)
+
+    monkeypatch.setattr(LogStore, "put", put)
+    assert logger.write_pending() is False
+    assert logger.write_pending() is True
+    assert paths[2] == paths[1] and len(paths) == 3
+    assert sorted(r["request_id"] for r in logged_rows()) == ["first", "second"]
+    assert logger.written == 2 and logger.retries == 1
+
+
+def test_a_storage_that_stays_down_keeps_the_batch_in_the_buffer(monkeypatch):
     logger = PredictionLogger(capacity=10, batch_size=4, autostart=False)
     route = make_route()
-    for i in range(6):
-        offer(logger, route, request_id=f"r{i}")
-    assert logger.write_pending() is False
-    assert logger.write_pending() is False
-    assert logger.pending == 6 and logger.retries == 2 and logger.dropped == 0
-    # The kept records count against the capacity: the buffer stays bounded.
-    assert sum(offer(logger, route) for _ in range(10)) == 4
-    assert logger.dropped_buffer_full == 6 and logger.pending == 10
+    with storage_down(monkeypatch):
+        for i in range(6):
+            offer(logger, route, request_id=f"r{i}")
+        assert logger.write_pending() is False
+        assert logger.write_pending() is False
+        assert logger.pending == 6 and logger.retries == 2 and logger.dropped == 0
+        # The kept records count against the capacity: the buffer stays bounded.
+        assert sum(offer(logger, route) for _ in range(10)) == 4
+        assert logger.dropped_buffer_full == 6 and logger.pending == 10
 
 
-def test_what_a_down_database_has_not_taken_at_shutdown_is_counted_as_lost(monkeypatch):
-    def down(batch):
-        raise OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(predlog, "write_batch", down)
+def test_what_a_down_storage_has_not_taken_at_shutdown_is_counted_as_lost(monkeypatch):
     logger = PredictionLogger(capacity=100, batch_size=4, flush_s=0.05)
     before = counter("dropped_at_shutdown")
-    for i in range(7):
-        offer(logger, make_route(), request_id=f"r{i}")
-    assert logger.close(timeout=0.3) == 7
+    with storage_down(monkeypatch):
+        for i in range(7):
+            offer(logger, make_route(), request_id=f"r{i}")
+        assert logger.close(timeout=0.3) == 7
     assert logger.dropped_at_shutdown == 7 and logger.written == 0
     assert counter("dropped_at_shutdown") - before == 7
 
@@ -392,7 +427,6 @@ def test_retries_back_off_doubling_up_to_a_cap():
     assert delays == sorted(delays) and delays[-1] == predlog.RETRY_MAX_S
 
 
-@pytest.mark.django_db(transaction=True)
 def test_a_prediction_that_cannot_be_recorded_is_dropped_and_counted_not_its_batch(served):
     logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
     before = counter("dropped_unrecordable")
@@ -403,8 +437,8 @@ def test_a_prediction_that_cannot_be_recorded_is_dropped_and_counted_not_its_bat
         request_id="odd",
         trace_id="",
         names=["x"],
-        arrays=[np.zeros((1, 4), dtype=np.float32)],
-        outputs=[("y", np.array([["high", "low"]]))],  # scores that are not numbers
+        arrays=[np.zeros((1, 4), dtype=np.complex64)],  # no JSON or Parquet number for these
+        outputs=None,
         latency_s=0.001,
         status=200,
     )
@@ -412,25 +446,31 @@ def test_a_prediction_that_cannot_be_recorded_is_dropped_and_counted_not_its_bat
     assert logger.flush(timeout=10)
     assert logger.written == 2 and logger.dropped_unrecordable == 1
     assert counter("dropped_unrecordable") - before == 1
-    logged = PredictionLog.objects.values_list("request_id", flat=True)
-    assert sorted(logged) == ["fine-1", "fine-2"]
+    assert sorted(r["request_id"] for r in logged_rows()) == ["fine-1", "fine-2"]
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_row_the_database_refuses_loses_only_itself_not_its_batch(served):
-    """A version deleted between the answer and the write: its row breaks the foreign key and
-    with it the batch's one statement; written one by one, the others survive."""
+def test_a_file_the_storage_refuses_loses_only_its_own_rows(world, served, onnx_bytes, monkeypatch):
+    """An error that is not the storage's (Arrow cannot write the file) is not retried: that
+    partition's rows are counted as rejected, the batch's other files are written."""
+    other = route_of(make_version(make_model(world.a, "other"), onnx_bytes))
+    other = dataclasses.replace(other, log_sample_rate=1.0)
+    original = LogStore.put
+
+    def put(store, piece, metadata=None):
+        if piece.partition.model_id == other.model_id:
+            raise pa.ArrowInvalid("cannot write this file")
+        return original(store, piece, metadata)
+
+    monkeypatch.setattr(LogStore, "put", put)
     logger = PredictionLogger(capacity=1000, batch_size=100, flush_s=60)
     before = counter("dropped_rejected")
-    gone = dataclasses.replace(served, version_id=10**9)
     offer(logger, served, request_id="fine-1")
-    offer(logger, gone, request_id="orphan")
+    offer(logger, other, request_id="refused")
     offer(logger, served, request_id="fine-2")
     assert logger.flush(timeout=10)
     assert logger.written == 2 and logger.dropped_rejected == 1 and logger.retries == 0
     assert counter("dropped_rejected") - before == 1
-    logged = PredictionLog.objects.values_list("request_id", flat=True)
-    assert sorted(logged) == ["fine-1", "fine-2"]
+    assert sorted(r["request_id"] for r in logged_rows()) == ["fine-1", "fine-2"]
 
 
 def samples_of(route: Route, requests: list[tuple[np.ndarray, list]]) -> list[predlog.Sample]:
@@ -440,38 +480,58 @@ def samples_of(route: Route, requests: list[tuple[np.ndarray, list]]) -> list[pr
     ]
 
 
-@pytest.mark.parametrize(
-    "route, outputs_of",
-    [
-        (make_route(), lambda n: [("probabilities", np.full((n, 2), 0.5, np.float32))]),
-        (  # logits, several outputs, a 1-D one
-            make_route(personal={"amount": "hash", "hour": "redact"}),
-            lambda n: [
-                ("probabilities", np.linspace(-3, 3, 2 * n).reshape(n, 2)),
-                ("label", np.arange(n)),
-            ],
+STACKED_CASES = [
+    (make_route(), lambda n: [("probabilities", np.full((n, 2), 0.5, np.float32))]),
+    (  # logits, several outputs, a 1-D one, personal fields
+        make_route(personal={"amount": "hash", "hour": "redact"}),
+        lambda n: [
+            ("probabilities", np.linspace(-3, 3, 2 * n).reshape(n, 2)),
+            ("label", np.arange(n)),
+        ],
+    ),
+    (
+        make_route(
+            task=TaskKind.REGRESSOR,
+            outputs=({"name": "value", "datatype": "FP64", "shape": [-1, 1]},),
         ),
-        (
-            make_route(
-                task=TaskKind.REGRESSOR,
-                outputs=({"name": "value", "datatype": "FP64", "shape": [-1, 1]},),
-            ),
-            lambda n: [("value", np.arange(n, dtype=np.float64).reshape(n, 1) / 3)],
-        ),
-    ],
-)
-def test_records_built_together_equal_records_built_one_by_one(route, outputs_of):
+        lambda n: [("value", np.arange(n, dtype=np.float64).reshape(n, 1) / 3)],
+    ),
+]
+
+
+def stacked_samples(route, outputs_of) -> list[predlog.Sample]:
     rng = np.random.default_rng(3)
     requests = []
     for n in (1, 3, 1, 2):
         x = rng.normal(size=(n, 4)).astype(np.float32)
         x[0, 2] = np.nan  # logged as null either way
         requests.append((x, outputs_of(n)))
-    samples = samples_of(route, requests)
+    return samples_of(route, requests)
+
+
+@pytest.mark.parametrize("route, outputs_of", STACKED_CASES)
+def test_records_built_together_equal_records_built_one_by_one(route, outputs_of):
+    samples = stacked_samples(route, outputs_of)
     assert len({predlog.stack_key(s) for s in samples}) == 1
     together = list(predlog.build_records(samples, KEY))
     assert together == [s.record(KEY) for s in samples]
     assert [len(r["inputs"]["amount"]) for r in together] == [1, 3, 1, 2]
+
+
+@pytest.mark.parametrize("route, outputs_of", STACKED_CASES)
+def test_the_rows_built_from_stacked_tensors_read_back_as_each_samples_record(route, outputs_of):
+    samples = stacked_samples(route, outputs_of)
+    table = predlog.build_table(samples, KEY)
+    read = log_rows(table)
+    for row, sample in zip(read, samples, strict=True):
+        expected = sample.record(KEY)
+        for name in ("inputs", "outputs", "scores", "request_id", "arm", "status"):
+            assert row[name] == expected[name], name
+        assert row["created_at"] == expected["created_at"]
+        assert row["rows"] == len(sample.arrays[0])
+    # Personal fields stay out of the typed columns: only their redacted or hashed text is kept.
+    personal = dict(route.personal_fields)
+    assert not {f"f.{name}" for name in personal} & set(table.column_names)
 
 
 def test_samples_that_cannot_be_stacked_are_built_alone():
@@ -488,49 +548,43 @@ def test_samples_that_cannot_be_stacked_are_built_alone():
     assert key(wider) != key(samples_of(route, [(x, [("probabilities", probs)])])[0])
 
 
-@pytest.mark.django_db
 def test_a_group_that_fails_to_build_together_is_built_one_by_one(monkeypatch):
-    original = predlog.build_records
+    def broken(samples, hash_key):
+        raise ValueError("cannot stack")
 
-    def only_alone(samples, hash_key):
-        if len(samples) > 1:
-            raise ValueError("cannot stack")
-        return original(samples, hash_key)
-
-    monkeypatch.setattr(predlog, "build_records", only_alone)
-    written: list[dict] = []
-    monkeypatch.setattr(predlog, "write_batch", written.extend)
+    monkeypatch.setattr(predlog, "build_table", broken)
     logger = PredictionLogger(autostart=False)
     route = make_route()
     for i in range(3):
         offer(logger, route, n=2, request_id=f"r{i}")
     logger.write_pending()
-    assert [r["request_id"] for r in written] == ["r0", "r1", "r2"]
+    rows = logged_rows()
+    assert [r["request_id"] for r in rows] == ["r0", "r1", "r2"]
+    assert rows[0]["inputs"]["amount"] == [0.0, 4.0]
     assert logger.written == 3 and logger.dropped == 0
 
 
-@pytest.mark.skipif(connection.vendor != "postgresql", reason="COPY and session settings")
-@pytest.mark.django_db(transaction=True)
-def test_a_batch_is_one_copy_in_its_own_transaction_with_the_writers_settings(served, settings):
-    """The writer's connection gets its timeout and asynchronous commit once; each batch is
-    one COPY in autocommit, so a row that fails the batch leaves none of it behind."""
-    good = record(served, ["x"], [np.ones((1, 4), np.float32)], None, request_id="good")
-    predlog.write_batch([good])
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT name, setting FROM pg_settings"
-            " WHERE name IN ('statement_timeout', 'lock_timeout', 'synchronous_commit')"
-        )
-        assert dict(cursor.fetchall()) == {
-            "statement_timeout": str(predlog.WRITE_TIMEOUT_MS),  # in ms
-            "lock_timeout": str(settings.SWITCHYARD_DB_LOCK_TIMEOUT_MS),
-            "synchronous_commit": "off",
-        }
-    assert not connection.in_atomic_block
-    bad = good | {"request_id": "bad-batch", "version_id": 10**9}  # no such version
-    with pytest.raises(Exception, match="version_id"):
-        predlog.write_batch([good | {"request_id": "with-a-bad-row"}, bad])
-    assert list(PredictionLog.objects.values_list("request_id", flat=True)) == ["good"]
+def test_a_file_appears_whole_and_no_temporary_file_is_left_or_listed(monkeypatch):
+    logger = PredictionLogger(autostart=False)
+    offer(logger, make_route(), request_id="whole")
+    store = log_store()
+    seen: list[str] = []
+    original = pa.parquet.write_table
+
+    def write_table(table, where, **kwargs):
+        original(table, where, **kwargs)
+        # Written but not yet renamed: the file only exists under its hidden name, which no
+        # listing takes.
+        assert where.rsplit("/", 1)[-1].startswith(".")
+        seen.extend(store.files(PREDICTIONS, 1))
+
+    monkeypatch.setattr(pa.parquet, "write_table", write_table)
+    logger.write_pending()
+    assert seen == []
+    (path,) = store.files(PREDICTIONS, 1)
+    folder = path.rsplit("/", 1)[0]
+    infos = store.fs.get_file_info(pa.fs.FileSelector(folder))
+    assert [i.path for i in infos] == [path]
 
 
 def test_the_prediction_log_can_be_switched_off_per_process(settings, world):
@@ -550,62 +604,38 @@ def test_the_prediction_log_can_be_switched_off_per_process(settings, world):
         assert state.predlog.pending == pending
 
 
-@contextmanager
-def table_locked(monkeypatch):
-    """Another process holding a write lock on the prediction log while the block runs; the
-    writer gives up on it after 0.3 s (SQLite's busy timeout, PostgreSQL's statement timeout)."""
-    if connection.vendor == "postgresql":
-        import psycopg
-
-        monkeypatch.setattr(predlog, "WRITE_TIMEOUT_MS", 300)
-        params = connection.get_connection_params()
-        holder = psycopg.connect(**params, autocommit=False)
-        holder.execute(f"LOCK TABLE {PredictionLog._meta.db_table} IN ACCESS EXCLUSIVE MODE")
-    else:
-        monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.3)
-        holder = sqlite3.connect(connection.settings_dict["NAME"], timeout=5, isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    finally:
-        holder.rollback() if connection.vendor == "postgresql" else holder.execute("ROLLBACK")
-        holder.close()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_locked_table_the_buffer_outlasts_loses_nothing(served, monkeypatch):
+def test_a_stall_the_buffer_outlasts_loses_nothing(served, monkeypatch):
     logger = PredictionLogger(capacity=1000, batch_size=5, flush_s=0.05)
-    with table_locked(monkeypatch):
+    with storage_down(monkeypatch):
         for i in range(200):
-            assert offer(logger, served, request_id=f"locked-{i}")  # never waits for the lock
+            assert offer(logger, served, request_id=f"stalled-{i}")  # never waits
             time.sleep(0.002)
-        assert logger.flush(timeout=0.5) is False  # still locked: kept, not dropped
+        assert logger.flush(timeout=0.5) is False  # still down: kept, not dropped
         wait_until(lambda: logger.retries > 0, 10)
         assert logger.written == 0 and logger.dropped == 0
     assert logger.flush(timeout=30)
     assert logger.written == 200 and logger.dropped == 0
-    logged = PredictionLog.objects.values_list("request_id", flat=True)
-    assert sorted(logged) == sorted(f"locked-{i}" for i in range(200))
+    logged = [r["request_id"] for r in logged_rows()]
+    assert sorted(logged) == sorted(f"stalled-{i}" for i in range(200))
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_lock_longer_than_the_buffer_lasts_drops_only_new_offers_and_counts_them(
+def test_a_stall_longer_than_the_buffer_lasts_drops_only_new_offers_and_counts_them(
     served, monkeypatch
 ):
     logger = PredictionLogger(capacity=20, batch_size=5, flush_s=0.05)
     before = counter("dropped_buffer_full")
-    with table_locked(monkeypatch):
-        taken = [offer(logger, served, request_id=f"locked-{i}") for i in range(200)]
+    with storage_down(monkeypatch):
+        taken = [offer(logger, served, request_id=f"stalled-{i}") for i in range(200)]
         wait_until(lambda: logger.retries > 0, 10)
     assert taken == [True] * 20 + [False] * 180  # the oldest are kept, never overwritten
     assert logger.flush(timeout=30)
     assert logger.written == 20 and logger.dropped_buffer_full == 180
     assert counter("dropped_buffer_full") - before == 180
 
-    offer(logger, served, request_id="unlocked")  # a fresh connection once the lock is gone
+    offer(logger, served, request_id="after")
     assert logger.flush(timeout=10)
-    logged = set(PredictionLog.objects.values_list("request_id", flat=True))
-    assert logged == {f"locked-{i}" for i in range(20)} | {"unlocked"}
+    logged = {r["request_id"] for r in logged_rows()}
+    assert logged == {f"stalled-{i}" for i in range(20)} | {"after"}
 
 
 def wait_until(check, timeout: float) -> None:
@@ -618,23 +648,26 @@ def wait_until(check, timeout: float) -> None:
 # Retention -------------------------------------------------------------------------------------
 
 
-def make_log(route: Route, request_id: str, age: timedelta, **fields) -> PredictionLog:
-    return PredictionLog.objects.create(
-        tenant_id=route.tenant_id,
-        model_id=route.model_id,
-        version_id=route.version_id,
-        request_id=request_id,
-        latency_ms=1.0,
-        status=200,
-        created_at=timezone.now() - age,
-        **fields,
+def make_log(route: Route, request_id: str, age: timedelta) -> None:
+    from monitoring.prediction_log import write_records
+
+    write_records(
+        [
+            {
+                "tenant_id": route.tenant_id,
+                "model_id": route.model_id,
+                "version_id": route.version_id,
+                "request_id": request_id,
+                "inputs": {},
+                "latency_ms": 1.0,
+                "status": 200,
+                "created_at": timezone.now() - age,
+            }
+        ]
     )
 
 
-def test_retention_purges_each_models_logs_by_its_own_days_and_old_feedback(
-    world, onnx_bytes, monkeypatch
-):
-    monkeypatch.setattr("monitoring.prediction_log.PURGE_CHUNK", 2)  # several chunks per model
+def test_retention_drops_each_models_old_hours_by_its_own_days_and_old_feedback(world, onnx_bytes):
     short = make_model(world.a, "short")
     short.log_retention_days = 1
     short.save()
@@ -659,12 +692,30 @@ def test_retention_purges_each_models_logs_by_its_own_days_and_old_feedback(
     )
     Feedback.objects.create(tenant=world.b, request_id="b-new", label=0, received_at=now)
 
-    assert purge_expired_logs() == {"prediction_logs": 4 + 1, "feedback": 2}
-    left = sorted(PredictionLog.objects.values_list("request_id", flat=True))
+    # Whole hour partitions: short's 2-day-old hour and 40-day-old hour, long's 40-day-old one.
+    assert purge_expired_logs() == {"log_partitions": 2 + 1, "feedback": 2}
+    left = sorted(r["request_id"] for r in logged_rows())
     assert left == ["long-0", "long-2", "long-2", "long-2", "short-0"]
     assert sorted(Feedback.objects.values_list("request_id", flat=True)) == [
         "b-new",
         "month-old",
         "recent",
     ]
-    assert purge_prediction_logs() == {"prediction_logs": 0, "feedback": 0}  # the beat task
+    assert purge_prediction_logs() == {"log_partitions": 0, "feedback": 0}  # the beat task
+
+
+def test_retention_keeps_an_hour_until_its_newest_row_has_expired(world, onnx_bytes):
+    model = make_model(world.a, "edge")
+    model.log_retention_days = 1
+    model.save()
+    route = route_of(make_version(model, onnx_bytes))
+    now = timezone.now()
+    cutoff = now - timedelta(days=1)
+    hour = cutoff.replace(minute=0, second=0, microsecond=0)
+    # One row past the retention, one in the same hour still inside it.
+    make_log(route, "expired", now - hour)
+    make_log(route, "kept", now - (cutoff + (hour + timedelta(hours=1) - cutoff) / 2))
+    assert purge_expired_logs(now)["log_partitions"] == 0
+    assert sorted(r["request_id"] for r in logged_rows()) == ["expired", "kept"]
+    assert purge_expired_logs(now + timedelta(hours=1))["log_partitions"] == 1
+    assert logged_rows() == []

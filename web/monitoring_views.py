@@ -18,8 +18,8 @@ from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.utils import timezone
 
-from monitoring.drift import set_reference_window
-from monitoring.models import Alert, DriftReport, PredictionLog, TrafficSample
+from monitoring.drift import has_logs, set_reference_window
+from monitoring.models import Alert, DriftReport, TrafficSample
 from monitoring.slo import bucket_count, burn_series, model_slos
 from monitoring.traffic import N_BUCKETS, ArmStats
 from registry.access import model_for, models_of
@@ -212,7 +212,7 @@ def drift_empty_state(
             f"of features, with scores) to {url}, or POST a past window of its logged "
             "predictions there. Drift is measured against it."
         )
-    if not PredictionLog.objects.filter(version=version).exists():
+    if not has_logs(version):
         return (
             f"No logged predictions for v{version.version} yet: the gateway logs "
             f"{model.log_sample_rate * 100:g} % of its predictions. Send it traffic."

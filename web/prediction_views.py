@@ -4,31 +4,31 @@ paged, and a chart of online quality per version and arm over time."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 from urllib.parse import urlencode
 
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
-from django.http import HttpResponse
+from django.http import FileResponse, HttpResponse, HttpResponseBadRequest
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
-from monitoring.models import PredictionLog
-from monitoring.quality import BUCKETS, logged_predictions, online_quality
+from monitoring.quality import (
+    BUCKETS,
+    EXPORT_DEFAULT,
+    EXPORT_FORMATS,
+    LoggedRequest,
+    export_log,
+    logged_predictions,
+    online_quality,
+)
 from registry.access import model_for
 
 from .pages import TenantRequest, page, tenant_view
 
-if TYPE_CHECKING:
-    from django_stubs_ext import WithAnnotations
-
 PAGE_SIZE = 50
 QUALITY_WINDOW = {"hour": timedelta(hours=48), "day": timedelta(days=30)}
 PREVIEW_COLUMNS = 4
-
-
-class Labelled(TypedDict):
-    label: Any  # the feedback's label (JSON); None without feedback
 
 
 def _int_or_none(text: str) -> int | None:
@@ -39,17 +39,15 @@ def _int_or_none(text: str) -> int | None:
 def model_predictions(request: TenantRequest, name: str) -> HttpResponse:
     model = model_for(request.membership.tenant_id, name)
     filters = {k: request.GET.get(k, "").strip() for k in ("version", "status", "request_id")}
-    # Each row comes with its label, which logged_predictions annotates.
-    rows = cast(
-        "QuerySet[WithAnnotations[PredictionLog, Labelled]]",
-        logged_predictions(
-            model,
-            version=_int_or_none(filters["version"]),
-            status=_int_or_none(filters["status"]),
-            request_id=filters["request_id"] or None,
-        ),
+    # Each row comes with its label (the feedback of the request ids on the page).
+    rows = logged_predictions(
+        model,
+        version=_int_or_none(filters["version"]),
+        status=_int_or_none(filters["status"]),
+        request_id=filters["request_id"][:128] or None,
     )
-    rows_page = Paginator(rows, PAGE_SIZE).get_page(request.GET.get("page"))
+    paginator: Paginator[LoggedRequest] = Paginator(rows, PAGE_SIZE)
+    rows_page = paginator.get_page(request.GET.get("page"))
     bucket = request.GET.get("bucket", "hour")
     if bucket not in BUCKETS:
         bucket = "hour"
@@ -74,7 +72,43 @@ def model_predictions(request: TenantRequest, name: str) -> HttpResponse:
     )
 
 
-def display_row(row: WithAnnotations[PredictionLog, Labelled]) -> dict[str, Any]:
+@tenant_view
+def export_predictions(request: TenantRequest, name: str) -> HttpResponse:
+    """The page's "Download" link: the model's log over a time range (default: the last 24
+    hours) as CSV or Parquet."""
+    model = model_for(request.membership.tenant_id, name)
+    fmt = request.GET.get("format", "csv")
+    if fmt not in EXPORT_FORMATS:
+        return HttpResponseBadRequest(f"format must be one of {', '.join(EXPORT_FORMATS)}")
+    bounds: dict[str, datetime | None] = {}
+    for key in ("since", "until"):
+        text = request.GET.get(key, "").strip()
+        try:
+            when = parse_datetime(text) if text else None
+        except ValueError:
+            when = None
+        if text and when is None:
+            return HttpResponseBadRequest(f"{key}: not a date and time (ISO 8601)")
+        if when is not None and timezone.is_naive(when):
+            when = timezone.make_aware(when, UTC)
+        bounds[key] = when
+    until = bounds["until"] or timezone.now()
+    since = bounds["since"] or until - EXPORT_DEFAULT
+    if since > until:
+        return HttpResponseBadRequest("since must not be after until")
+    body = export_log(model, fmt, since, until)
+    content_type = "text/csv" if fmt == "csv" else "application/vnd.apache.parquet"
+    response = FileResponse(
+        body,
+        as_attachment=True,
+        filename=f"{model.name}-predictions.{fmt}",
+        content_type=content_type,
+    )
+    # A streamed file, not an HttpResponse: tenant_view passes it through untouched.
+    return cast(HttpResponse, response)
+
+
+def display_row(row: LoggedRequest) -> dict[str, Any]:
     """A log row as the table shows it: the first few input columns, scores and label."""
     columns = list(row.inputs.items())
     preview = ", ".join(f"{k}={_first(v)}" for k, v in columns[:PREVIEW_COLUMNS])

@@ -6,10 +6,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.http import FileResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -20,7 +23,6 @@ from registry.models import Model
 from tenants.authentication import CallerRequest, TenantRolePermission
 
 from .. import quality
-from ..models import PredictionLog
 
 DEFAULT_SINCE = {"hour": timedelta(hours=24), "day": timedelta(days=30)}
 
@@ -60,7 +62,9 @@ class FeedbackBulkSerializer(serializers.Serializer[Any]):
 
 class FeedbackResultSerializer(serializers.Serializer[Any]):
     accepted = serializers.IntegerField(help_text="labels stored (a repeated request id once)")
-    matched = serializers.IntegerField(help_text="of those, request ids already in the log")
+    matched = serializers.IntegerField(
+        help_text="of those, request ids in the last 24 hours of the log (older ones still join)"
+    )
 
 
 def feedback_items(data: object) -> list[dict[str, Any]]:
@@ -121,32 +125,27 @@ class PredictionFilter(serializers.Serializer[Any]):
     version = serializers.IntegerField(max_value=MAX_INT, required=False, min_value=1)
     status = serializers.IntegerField(required=False, min_value=100, max_value=599)
     request_id = serializers.CharField(required=False, max_length=128)
+    since = serializers.DateTimeField(required=False, help_text="default: the whole log")
+    until = serializers.DateTimeField(required=False)
     limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
     offset = serializers.IntegerField(max_value=MAX_INT, required=False, min_value=0, default=0)
 
 
-class PredictionLogSerializer(serializers.ModelSerializer[PredictionLog]):
-    version = serializers.IntegerField(source="version.version")
+class PredictionLogSerializer(serializers.Serializer[Any]):
+    """One logged request (``quality.LoggedRequest``)."""
+
+    request_id = serializers.CharField()
+    trace_id = serializers.CharField()
+    version = serializers.IntegerField(allow_null=True)
+    arm = serializers.CharField()
+    status = serializers.IntegerField()
+    latency_ms = serializers.FloatField()
+    created_at = serializers.DateTimeField()
+    inputs = serializers.JSONField(help_text="{column: [value per row]}, personal fields redacted")
+    outputs = serializers.JSONField()
+    scores = serializers.ListField(child=serializers.FloatField(allow_null=True))
     # DRF moves declared fields off the class; the stubs see them shadow Field.label.
     label = serializers.JSONField(allow_null=True)  # type: ignore[assignment]
-
-    class Meta:
-        model = PredictionLog
-        fields = [
-            "id",
-            "request_id",
-            "trace_id",
-            "version",
-            "arm",
-            "status",
-            "latency_ms",
-            "created_at",
-            "inputs",
-            "outputs",
-            "scores",
-            "label",
-        ]
-        read_only_fields = fields
 
 
 class PredictionPageSerializer(serializers.Serializer[Any]):
@@ -165,10 +164,59 @@ class PredictionListView(APIView):
         params = dict(where.validated_data)
         limit, offset = params.pop("limit"), params.pop("offset")
         rows = quality.logged_predictions(model, **params)
-        page = rows[offset : offset + limit]
+        page = rows.page(offset, limit)
         return Response(
             {"count": rows.count(), "results": PredictionLogSerializer(page, many=True).data}
         )
+
+
+class ExportFilter(serializers.Serializer[Any]):
+    format = serializers.ChoiceField(choices=quality.EXPORT_FORMATS, default="csv")
+    since = serializers.DateTimeField(required=False, help_text="default: 24 hours before until")
+    until = serializers.DateTimeField(required=False, help_text="default: now")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        since, until = attrs.get("since"), attrs.get("until")
+        if since and until and since > until:
+            raise ValidationError({"since": "must not be after until"})
+        return attrs
+
+
+def export_response(model: Model, where: dict[str, Any]) -> FileResponse:
+    """The model's log over a time range as a download (CSV or Parquet)."""
+    fmt = where["format"]
+    body = quality.export_log(model, fmt, where.get("since"), where.get("until"))
+    content_type = "text/csv" if fmt == "csv" else "application/vnd.apache.parquet"
+    return FileResponse(
+        body,
+        as_attachment=True,
+        filename=f"{model.name}-predictions.{fmt}",
+        content_type=content_type,
+    )
+
+
+class PredictionExportView(APIView):
+    permission_classes = [TenantRolePermission]
+
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        # ``?format=`` names the export's format here, not one of DRF's renderers (which
+        # would answer 404 to ``csv``); errors are answered as JSON.
+        return JSONRenderer(), "application/json"
+
+    @extend_schema(
+        parameters=[ExportFilter],
+        responses={(200, "text/csv"): bytes, (200, "application/vnd.apache.parquet"): bytes},
+        description="The model's logged predictions over a time range (default: the last 24 "
+        "hours), oldest first, as CSV or Parquet: the request's fields, its version number, "
+        "the JSON `inputs`/`outputs`, `scores` and one `f.<feature>` column per numeric feature.",
+    )
+    def get(self, request: CallerRequest, name: str) -> FileResponse:
+        model = _model(request, name)
+        where = ExportFilter(data=request.query_params)
+        where.is_valid(raise_exception=True)
+        return export_response(model, where.validated_data)
 
 
 class QualityFilter(serializers.Serializer[Any]):

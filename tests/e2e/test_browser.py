@@ -265,7 +265,8 @@ import uuid
 from datetime import timedelta
 import numpy as np
 from django.utils import timezone
-from monitoring.models import PredictionLog, TrafficSample
+from monitoring.models import TrafficSample
+from monitoring.prediction_log import write_records
 from monitoring.traffic import Counts
 from registry.models import ModelVersion
 from monitoring import drift
@@ -295,13 +296,15 @@ def scores(n, shift):
 ReferenceSample.objects.create(
     version=v1, source="upload", columns=columns(2000, 0), scores=scores(2000, 0), rows=2000
 )
+logged = []
 for minute in range(80):
     shift = min(max((minute - 30) / 40, 0), 1)
-    PredictionLog.objects.create(
-        tenant_id=model.tenant_id, model=model, version=v1, arm="baseline",
+    logged.append(dict(
+        tenant_id=model.tenant_id, model_id=model.pk, version_id=v1.pk, arm="baseline",
         request_id=uuid.uuid4().hex, inputs=columns(25, shift), scores=scores(25, shift),
         latency_ms=4.0, status=200, created_at=now - timedelta(minutes=80 - minute),
-    )
+    ))
+write_records(logged)
 for k in range(12):
     assert drift.detect_drift(v1, now - timedelta(minutes=55 - 5 * k)) is not None
 

@@ -28,13 +28,15 @@ USERS = {"erin": "engineer", "vic": "viewer"}
 # One logged and labelled prediction: the quality chart has a single hourly bucket.
 ONE_BUCKET = """
 from django.utils import timezone
-from monitoring.models import Feedback, PredictionLog
+from monitoring.models import Feedback
+from monitoring.prediction_log import write_records
 from registry.models import ModelVersion
 v = ModelVersion.objects.select_related("model").get(model__name="{name}", version=1)
-PredictionLog.objects.create(
-    tenant_id=v.model.tenant_id, model=v.model, version=v, request_id="one", inputs={{}},
-    outputs={{}}, scores=[0.4], latency_ms=2.0, status=200, created_at=timezone.now(),
-)
+write_records([dict(
+    tenant_id=v.model.tenant_id, model_id=v.model_id, version_id=v.pk, request_id="one",
+    inputs={{}}, outputs={{}}, scores=[0.4], latency_ms=2.0, status=200,
+    created_at=timezone.now(),
+)])
 Feedback.objects.create(tenant_id=v.model.tenant_id, request_id="one", label=0.5,
                         received_at=timezone.now())
 """

@@ -1,7 +1,6 @@
 """The prediction log end to end: a real uvicorn server and agent log real requests under the
-request ids their clients got back, feedback joins them, and a locked database costs the
-requests nothing (the writer keeps what its buffer holds and writes it once the lock is
-gone; what a full buffer refuses is dropped and counted)."""
+request ids their clients got back to Parquet files, feedback joins them, and a locked database
+costs neither the requests nor the log anything (the log is not in the database)."""
 
 from __future__ import annotations
 
@@ -146,7 +145,7 @@ def test_real_requests_are_logged_under_the_ids_clients_got_and_feedback_joins(p
         assert other.post("/api/v1/feedback", json={"items": items}).json()["matched"] == 0
 
 
-def test_a_locked_database_leaves_requests_fast_and_counts_the_drops(platform, rng):
+def test_a_locked_database_leaves_requests_fast_and_the_log_whole(platform, rng):
     backend, url, key_a, _ = platform
     dropped_before = dropped(url)
     holder = sqlite3.connect(
@@ -167,14 +166,9 @@ def test_a_locked_database_leaves_requests_fast_and_counts_the_drops(platform, r
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    assert slowest < 1.0  # the log writer waits for the lock; requests never do
-    # 300 records into a buffer of 50 that keeps its oldest while the writer waits.
-    assert dropped(url) - dropped_before >= 300 - 50 - 10
+    assert slowest < 1.0
+    # The log's files do not wait on the database: nothing was dropped, everything is there.
+    assert dropped(url) - dropped_before == 0
     with httpx.Client(base_url=url, headers=auth(key_a), timeout=30) as client:
-        # Once the lock is gone the writer carries on: what the buffer held gets written.
-        for i in range(50):
+        for i in range(300):
             wait_until(lambda i=i: logged(client, f"locked-{i}"), 30)
-        x = rng.normal(size=(1, 4)).astype(np.float32)
-        after = client.post("/v2/models/clf/infer", **oip(x, **{"x-request-id": "after-lock"}))
-        assert after.status_code == 200
-        wait_until(lambda: logged(client, "after-lock"), 15)
