@@ -8,6 +8,7 @@ gateway processes through Redis (in process on the embedded default): ``tenants.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from tenants.keys import KeyIdentity
 from tenants.ratelimit import retry_after_header
 from tenants.stream_budget import RENEW_S, BudgetExceeded
 
-from . import metrics, tracing
+from . import genlog, metrics, spans, tracing
 from .admission import check_budget, hold_in_flight, model_ref, release_in_flight, resolve
 from .arms import Routed, route_request
 from .dispatch import DispatchError, SlowClient, StreamInbox
@@ -99,6 +100,8 @@ class Generation:
         prompt_tokens: int,
         slot: str,
         charged: int | None = None,
+        params: GenerateParams | None = None,
+        door: str = "websocket",
     ) -> None:
         self.state = state
         self.identity = identity
@@ -116,6 +119,19 @@ class Generation:
         # Counted here per token, folded into the histogram when the stream closes.
         self._itl = metrics.LocalHistogram(metrics.ITL_BUCKETS_S)
         self._last_chunk = 0.0  # perf_counter() when the previous chunk arrived
+        self.status = 200  # an agent's refusal mid-stream sets its status
+        self.params, self.door = params, door
+        self.trace = tracing.current.get()
+        # The generation log's sample, decided now: an unsampled stream keeps no text.
+        route = routed.route
+        sampled = (
+            params is not None
+            and state.log_predictions
+            and route.log_sample_rate > 0
+            and random.random() < route.log_sample_rate
+        )
+        self._texts: list[str] | None = [] if sampled else None
+        self._kept = 0  # characters kept in _texts, which stops at what the log takes
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         timeout = self.state.infer_timeout
@@ -127,6 +143,7 @@ class Generation:
                 raise
             except DispatchError as exc:
                 self._record(ok=exc.status < 500)
+                self.status = exc.status
                 raise ApiError(exc.status, exc.message, _retry(exc)) from None
             now = time.perf_counter()
             elapsed_ms = (now - self.started) * 1000
@@ -146,6 +163,9 @@ class Generation:
                 self._itl.observe((now - self._last_chunk) / frame.tokens, frame.tokens)
             self._last_chunk = now
             self.usage.output_tokens += frame.tokens
+            if self._texts is not None and self._kept <= genlog.MAX_LOGGED_CHARS:
+                self._texts.append(frame.text)
+                self._kept += len(frame.text)
             if time.monotonic() - self._renewed > RENEW_S:
                 self._renewed = time.monotonic()
                 await self.state.streams.renew(self.identity, self.slot)
@@ -154,6 +174,7 @@ class Generation:
     def fail(self, error: ApiError) -> None:
         """End the stream from this side: ``chunks`` raises ``error`` once the reader has
         taken what already arrived (its key was revoked while it ran)."""
+        self.status = error.status
         self.stream.fail(DispatchError(error.status, error.message))
 
     async def close(self) -> None:
@@ -161,6 +182,24 @@ class Generation:
             return
         self._closed = True
         route = self.routed.route
+        # The records first: the awaits below may be cut short (a client's socket closing
+        # cancels its tasks again), and what the stream was is known by now.
+        if self._texts is not None:
+            self._log()
+        if self.trace is not None and self.trace.sampled:  # its span (gateway.spans)
+            spans.export_generation(
+                self.trace,
+                operation="chat" if self.door == "openai.chat" else "text_completion",
+                route=route,
+                tenant=self.identity.tenant_slug,
+                arm=self.routed.arm,
+                started=self.started,
+                input_tokens=self.usage.input_tokens,
+                output_tokens=self.usage.output_tokens,
+                ttft_ms=self.usage.ttft_ms,
+                finish_reason=self.finish_reason,
+                status=self.status,
+            )
         labels = (self.identity.tenant_slug, route.model_name, str(route.version))
         self._itl.fold_into(metrics.ITL.labels(*labels))
         if self.finish_reason is None:
@@ -174,6 +213,34 @@ class Generation:
         uncharged = max(0, self.usage.input_tokens - self.charged)
         await self.state.streams.finish(
             self.identity, self.slot, self.usage.output_tokens + uncharged
+        )
+
+    def _log(self) -> None:
+        """Offer the sampled stream to the generation log (never blocks)."""
+        assert self._texts is not None and self.params is not None
+        if self.finish_reason is not None:
+            finish = self.finish_reason
+        else:
+            finish = "error" if self.status != 200 else "cancelled"
+        trace = self.trace
+        params = self.params.model_dump(exclude={"prompt"})
+        self.state.genlog.offer_generation(
+            genlog.sample_of(
+                self.routed.route,
+                arm=self.routed.arm,
+                door=self.door,
+                request_id=trace.request_id if trace else "",
+                trace_id=trace.trace_id if trace else "",
+                prompt=self.params.prompt,
+                completion="".join(self._texts),
+                params=params,
+                input_tokens=self.usage.input_tokens,
+                output_tokens=self.usage.output_tokens,
+                finish_reason=finish,
+                status=self.status,
+                ttft_ms=self.usage.ttft_ms,
+                total_ms=self.usage.total_ms or (time.perf_counter() - self.started) * 1000,
+            )
         )
 
     def _record(self, ok: bool) -> None:
@@ -207,6 +274,7 @@ async def start_generation(
     on_loading: Progress | None = None,
     chat: Chat | None = None,
     sched: Schedule | None = None,
+    door: str = "websocket",
 ) -> Generation:
     """Resolve the model (through its rollout plan), check every limit, start the stream. The
     stream counts against its key's in-flight limit until ``Generation.close``. ``sched``
@@ -224,6 +292,7 @@ async def start_generation(
             on_loading,
             chat,
             sched or default_schedule(state, identity),
+            door,
         )
     except BaseException:
         release_in_flight(state, identity)
@@ -240,6 +309,7 @@ async def _start(
     on_loading: Progress | None,
     chat: Chat | None,
     sched: Schedule,
+    door: str,
 ) -> Generation:
     started = time.perf_counter()
     check_budget(state, identity)
@@ -271,7 +341,7 @@ async def _start(
     try:
         # A cold start holds here, before the tenant's stream budget is taken, and tells a
         # streaming client how loading goes.
-        await state.ready(route.version_id, on_loading)
+        await state.ready(route.version_id, on_loading, route, identity.tenant_slug)
     except DispatchError as exc:
         raise ApiError(exc.status, exc.message, _retry(exc)) from None
     try:
@@ -304,4 +374,6 @@ async def _start(
     except DispatchError as exc:
         await state.streams.finish(identity, slot, 0)
         raise ApiError(exc.status, exc.message, _retry(exc)) from None
-    return Generation(state, identity, routed, stream, started, prompt_tokens, slot)
+    return Generation(
+        state, identity, routed, stream, started, prompt_tokens, slot, params=params, door=door
+    )

@@ -31,7 +31,7 @@ from platform_site.tokens import bearer
 from registry.access import aliases_of, models_of
 from serving_agent.protocol import ChatTurn, TokenChunk
 
-from . import idempotency
+from . import idempotency, spans
 from .admission import authenticate, watch_key
 from .errors import ApiError
 from .frontdoor import Call, serve
@@ -148,9 +148,24 @@ async def models(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"object": "list", "data": await database_sync_to_async(listing)()})
 
 
+def _method_path(request: HttpRequest) -> tuple[str, str]:
+    return request.method or "", request.path
+
+
+# The sampled requests' spans (the generation's own span is gateway.generation's).
+CHAT_DOOR = spans.HttpDoor("/v1/chat/completions", _method_path, "chat")
+COMPLETIONS_DOOR = spans.HttpDoor("/v1/completions", _method_path, "text_completion")
+
+
 async def _serve(request: HttpRequest, chat: bool) -> HttpResponseBase:
     state = get_state()
-    call = Call(state, request.headers.get("X-Request-Id"), request.headers.get("traceparent"))
+    call = Call(
+        state,
+        request.headers.get("X-Request-Id"),
+        request.headers.get("traceparent"),
+        CHAT_DOOR if chat else COMPLETIONS_DOOR,
+        request,
+    )
     # An OpenAI client reads OpenAI's error shape, never Django's HTML page.
     response = await serve(call, _answer(request, chat, state, call), _render_error)
     if call.refused is None:
@@ -202,6 +217,7 @@ async def _answer(
         request.headers.get("X-Request-Id"),
         chat=messages,
         sched=sched,
+        door="openai.chat" if chat else "openai.completions",
     )
     shape = _Shape(chat, body.model)
     response: HttpResponseBase

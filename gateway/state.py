@@ -37,9 +37,10 @@ from tenants.stream_budget import LocalStreamBudget, RedisStreamBudget, StreamBu
 from .breakers import Breaker
 from .db import database_stamp, db_call
 from .dispatch import AgentLink, AgentPool, DispatchError, NotReady
+from .genlog import GenerationLogger
 from .idempotency import AnswerStore, answer_store
 from .links import LinkListener
-from .metrics import Observed, RequestMetrics, fold_dispatched
+from .metrics import COLD_START_WAIT, Observed, RequestMetrics, fold_dispatched
 from .predlog import PredictionLogger
 from .routes import Route, RouteMissing, resolve_route, resolve_version_id
 
@@ -120,6 +121,7 @@ class GatewayState:
         self.count_metrics = settings.SWITCHYARD_REQUEST_METRICS
         self.log_predictions = settings.SWITCHYARD_PREDICTION_LOG
         self.predlog = PredictionLogger()
+        self.genlog = GenerationLogger()
         # Text generation: each tenant's concurrent streams and tokens per minute.
         self.streams: StreamBudget = (
             RedisStreamBudget(settings.REDIS_URL) if settings.REDIS_URL else LocalStreamBudget()
@@ -204,13 +206,22 @@ class GatewayState:
             self._remember(self._by_id, (tenant_id, version_id), found, drops)
             return found
 
-    async def ready(self, version_id: int, progress: Progress | None = None) -> None:
+    async def ready(
+        self,
+        version_id: int,
+        progress: Progress | None = None,
+        route: Route | None = None,
+        tenant: str = "",
+    ) -> None:
         """Return once a replica of the version is ready to serve it (at once when warm).
 
         A cold start (a deployed version with no ready replica, e.g. scaled to zero) wakes
         the deployment and holds the request up to ``COLD_START_HOLD_S``, reporting
         ``progress`` about once a second; past the hold it raises 503 with Retry-After. A
         version with no deployment returns at once: dispatch answers for it as before.
+        With the request's ``route`` and ``tenant`` (slug), the hold is observed in
+        ``switchyard_cold_start_wait_seconds``: on the cold path only, so a warm request pays
+        nothing for it.
         """
         if self.pool.is_ready(version_id):
             return
@@ -219,20 +230,28 @@ class GatewayState:
         if not await self._wake(version_id):
             return
         next_report = started
-        while not self.pool.is_ready(version_id):
-            now = loop.time()
-            if now - started >= self.cold_start_hold_s:
-                raise NotReady(
-                    f"the model version is starting (cold start) and was not ready within "
-                    f"{self.cold_start_hold_s:g} s; retry shortly",
-                    COLD_RETRY_AFTER_S,
-                )
-            if progress is not None and now >= next_report:
-                report = await db_call(coldstart.cold_start_progress)(version_id)
-                await progress(report | {"elapsed_s": round(now - started, 1)})
-                next_report = now + 1.0
-            await self._wake(version_id)
-            await asyncio.sleep(0.05)
+        outcome = "abandoned"  # unless the loop ends or times out: the client left (cancelled)
+        try:
+            while not self.pool.is_ready(version_id):
+                now = loop.time()
+                if now - started >= self.cold_start_hold_s:
+                    outcome = "timed_out"
+                    raise NotReady(
+                        f"the model version is starting (cold start) and was not ready within "
+                        f"{self.cold_start_hold_s:g} s; retry shortly",
+                        COLD_RETRY_AFTER_S,
+                    )
+                if progress is not None and now >= next_report:
+                    report = await db_call(coldstart.cold_start_progress)(version_id)
+                    await progress(report | {"elapsed_s": round(now - started, 1)})
+                    next_report = now + 1.0
+                await self._wake(version_id)
+                await asyncio.sleep(0.05)
+            outcome = "ready"
+        finally:
+            if route is not None:
+                labels = (tenant, route.model_name, str(route.version), outcome)
+                COLD_START_WAIT.labels(*labels).observe(loop.time() - started)
 
     async def _wake(self, version_id: int) -> bool:
         """Mark the version's deployment woken, at most every WAKE_EVERY_S however many

@@ -29,6 +29,7 @@ from gateway.http_bounds import bound_body_reads  # noqa: E402
 from gateway.oip import oip_app  # noqa: E402
 from gateway.scrape import metrics_app  # noqa: E402
 from gateway.state import all_states, get_state  # noqa: E402
+from platform_site import telemetry  # noqa: E402
 from platform_site.routing import websocket_urlpatterns  # noqa: E402
 from serving_agent.protocol import AGENT_WS_PATH  # noqa: E402
 
@@ -41,6 +42,9 @@ static_app = ASGIStaticFilesHandler(django_app)
 bounded_django_app = bound_body_reads(django_app)
 STATIC_PREFIX = "/" + settings.STATIC_URL.lstrip("/")
 log = logging.getLogger(__name__)
+# Each server process (uvicorn's workers are spawned, each imports this) exports its own spans;
+# off unless OTEL_TRACES_EXPORTER is set (docs/observability.md, "Traces").
+telemetry.configure("switchyard-gateway")
 
 
 async def http_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -185,9 +189,10 @@ async def stop_links() -> None:
 
 async def flush_prediction_logs(timeout_s: float = 5.0) -> None:
     """Write what the prediction log still buffers before the process exits (what a stalled
-    database does not take by then is counted and logged as lost)."""
+    storage does not take by then is counted and logged as lost)."""
     for state in all_states():
         await asyncio.to_thread(state.predlog.close, timeout_s)
+        await asyncio.to_thread(state.genlog.close, timeout_s)
 
 
 router = ProtocolTypeRouter(

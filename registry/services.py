@@ -294,14 +294,18 @@ def update_serving_settings(
 
 
 def check_personal_fields(version: ModelVersion, fields: object) -> dict[str, str]:
-    """``{input or feature name: "redact" | "hash"}`` naming only what the version takes."""
+    """``{input or feature name: "redact" | "hash"}`` naming only what the version takes; a
+    text generator's may also name its output, ``text`` (the completion its log keeps)."""
     if not isinstance(fields, dict):
         raise SignatureError("personal_fields", 'must be an object of name to "redact" or "hash"')
     known = {t["name"] for t in version.inputs} | set(version.feature_names)
+    if version.format_entry.generates_text:
+        known |= {t["name"] for t in version.outputs}
     for name, rule in fields.items():
         if name not in known:
+            what = "an input, output" if version.format_entry.generates_text else "an input"
             raise SignatureError(
-                "personal_fields", f"{name!r} is not an input or feature of this version"
+                "personal_fields", f"{name!r} is not {what} or feature of this version"
             )
         if rule not in PERSONAL_RULES:
             raise SignatureError("personal_fields", f'{name!r}: use "redact" or "hash"')

@@ -4,6 +4,7 @@ from django.urls import path
 
 from . import (
     alias_views,
+    generation_views,
     jobs_views,
     keys_views,
     monitoring_views,
@@ -39,6 +40,17 @@ urlpatterns = [
 # The prediction log and online quality of a model (web.prediction_views).
 urlpatterns += [
     path("models/<str:name>/predictions/", prediction_views.model_predictions, name="predictions"),
+    path(
+        "models/<str:name>/predictions/export/",
+        prediction_views.export_predictions,
+        name="predictions-export",
+    ),
+    path("models/<str:name>/generations/", generation_views.model_generations, name="generations"),
+    path(
+        "models/<str:name>/generations/export/",
+        generation_views.export,
+        name="generations-export",
+    ),
 ]
 
 # Right-sizing: measured use and recommendations (web.rightsizing_views).

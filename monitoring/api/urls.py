@@ -1,12 +1,14 @@
 from django.urls import path
 
-from . import alerts, drift, feedback, usage
+from . import alerts, drift, feedback, generations, usage
 
 urlpatterns = [
     # Ground truth, the prediction log and online quality.
     path("feedback", feedback.FeedbackView.as_view()),
     path("models/<str:name>/predictions", feedback.PredictionListView.as_view()),
+    path("models/<str:name>/predictions/export", feedback.PredictionExportView.as_view()),
     path("models/<str:name>/quality", feedback.QualityView.as_view()),
+    path("models/<str:name>/generations", generations.GenerationListView.as_view()),
     # Drift: a version's reference sample and the model's reports.
     path("models/<str:name>/versions/<int:version>/reference", drift.ReferenceView.as_view()),
     path("models/<str:name>/drift", drift.DriftReportListView.as_view()),

@@ -49,7 +49,9 @@ def platform(request, tmp_path_factory):
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         ) as api:
-            created = api.post("/api/v1/models", json={"name": MODEL, "task": "generator"})
+            # Every generation logged: the generation log's test reads them back.
+            body = {"name": MODEL, "task": "generator", "log_sample_rate": 1.0}
+            created = api.post("/api/v1/models", json=body)
             assert created.status_code == 201, created.text
             files = {"artifact": ("w.safetensors", textgen_artifact(**LONG), "application/x")}
             limits = {"format": "textgen", "max_input_tokens": "64", "max_output_tokens": "900"}
@@ -197,6 +199,33 @@ def test_the_openai_client_library_works_unchanged(platform):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="sy_bad_key", max_retries=0).models.list()
     assert MODEL in [m.id for m in client.models.list()]
+
+
+def test_generations_are_logged_with_what_was_asked_and_answered(platform):
+    """The gateway process's generation log, read back over the API: the stock client's
+    stream, its prompt, its text, the real agent's token counts and the finish reason."""
+    _, url, key, procs = platform
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    marker = f"Logbook {time.time_ns() % 10**6}"
+    streamed = client.completions.create(
+        model=MODEL, prompt=marker, max_tokens=9, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].text for c in streamed)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
+
+        def logged() -> list[dict]:
+            page = api.get(f"/api/v1/models/{MODEL}/generations", params={"limit": 500})
+            assert page.status_code == 200, page.text
+            return [r for r in page.json()["results"] if r["prompt"] == marker]
+
+        (row,) = wait_until(logged, timeout=30, proc=procs[0])  # the writer flushes every 2 s
+        exported = api.get(f"/api/v1/models/{MODEL}/generations", params={"export": "csv"})
+    assert row["completion"] == text and row["door"] == "openai.completions"
+    assert (row["input_tokens"], row["output_tokens"]) == (len(marker.encode()), 9)
+    assert row["finish_reason"] == "length" and row["status"] == 200
+    assert row["params"]["max_tokens"] == 9 and row["ttft_ms"] > 0
+    assert exported.status_code == 200 and marker in exported.text
 
 
 def test_a_stream_still_waiting_for_a_slot_past_its_deadline_is_dropped_unrun(platform):
