@@ -11,6 +11,8 @@ from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.utils import OpenApiResponse, inline_serializer
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.request import Request
 
 # The largest whole number a client may send in a body or a query string (PostgreSQL's
 # `integer`): a larger one reached the database and came back a 500 (an offset of 2**63 on the
@@ -103,3 +105,13 @@ class ApiSchema(AutoSchema):
             statuses += [413, 415]
         statuses.append(503)  # every operation needs the database (platform_site.postgres)
         return statuses
+
+
+class ExportFormatParam:
+    """For an export view whose ``?format=`` names the file's format (csv, parquet): not one of
+    DRF's renderers, which would answer 404 to ``csv``. Errors are answered as JSON."""
+
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        return JSONRenderer(), "application/json"

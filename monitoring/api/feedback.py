@@ -11,12 +11,10 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
-from rest_framework.renderers import BaseRenderer, JSONRenderer
-from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from platform_site.api import MAX_INT
+from platform_site.api import MAX_INT, ExportFormatParam
 from platform_site.parsers import JSONBodyParser
 from registry.access import model_for
 from registry.models import Model
@@ -195,15 +193,8 @@ def export_response(model: Model, where: dict[str, Any]) -> FileResponse:
     )
 
 
-class PredictionExportView(APIView):
+class PredictionExportView(ExportFormatParam, APIView):
     permission_classes = [TenantRolePermission]
-
-    def perform_content_negotiation(
-        self, request: Request, force: bool = False
-    ) -> tuple[BaseRenderer, str]:
-        # ``?format=`` names the export's format here, not one of DRF's renderers (which
-        # would answer 404 to ``csv``); errors are answered as JSON.
-        return JSONRenderer(), "application/json"
 
     @extend_schema(
         parameters=[ExportFilter],

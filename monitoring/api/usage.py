@@ -11,11 +11,11 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions
-from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import ExportFormatParam
 from platform_site.errors import Invalid
 from platform_site.parsers import JSONBodyParser
 from tenants.audit import Actor, user_actor
@@ -92,17 +92,10 @@ class UsageView(APIView):
         )
 
 
-class UsageExportView(APIView):
+class UsageExportView(ExportFormatParam, APIView):
     """Usage per tenant, day and version as CSV (a header row first)."""
 
     permission_classes = [OperatorOrTenantPermission]
-
-    def perform_content_negotiation(
-        self, request: Request, force: bool = False
-    ) -> tuple[BaseRenderer, str]:
-        # ``?format=`` names the export's format, not one of DRF's renderers (which would
-        # answer 404 to ``csv``); errors are answered as JSON.
-        return JSONRenderer(), "application/json"
 
     @extend_schema(
         parameters=[*WINDOW, OpenApiParameter("format", OpenApiTypes.STR, enum=["csv"]), ALL],

@@ -13,11 +13,10 @@ from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
-from rest_framework.renderers import BaseRenderer, JSONRenderer
-from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from platform_site.api import ExportFormatParam
 from platform_site.parsers import JSONBodyParser
 
 from ..audit import EXPORT_TYPES, audit_events, export_lines
@@ -47,17 +46,10 @@ class AuditView(APIView):
         return Response(AuditSerializer(events, many=True).data)
 
 
-class AuditExportView(APIView):
+class AuditExportView(ExportFormatParam, APIView):
     """The whole filtered log, streamed row by row (never held in memory)."""
 
     permission_classes = [TenantRolePermission]
-
-    def perform_content_negotiation(
-        self, request: Request, force: bool = False
-    ) -> tuple[BaseRenderer, str]:
-        # ``?format=`` names the export's format here, not one of DRF's renderers (which
-        # would answer 404 to ``csv``); errors are answered as JSON.
-        return JSONRenderer(), "application/json"
 
     @extend_schema(
         parameters=[ExportFilter],
